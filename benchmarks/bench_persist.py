@@ -1,0 +1,277 @@
+"""Persist throughput: checkpointd's full save beside raw writes and torch.save, same bytes, same run.
+
+State: the reference workload's parameters and AdamW moments (fp32, hundreds of tensors of realistic
+sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is present) or, with
+``--state-on device``, on the GPU. For each target directory (default: a tmpfs and a disk directory):
+
+- raw: the same tensor bytes written with os.pwrite (64 MiB chunks) from several threads into one file
+  and into several files, fsync'd; every thread count of --raw-threads; the best is the ceiling "raw";
+- torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
+- checkpointd / checkpointd_zstd: time from maybe_save(step, force=True) until wait() returns (the
+  checkpoint is committed and durable); the targets apply to this. For diagnosis, also the time until
+  wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
+  snapshot": the persist alone, if the writer does not overlap the snapshot).
+
+Each is repeated --repeat times; "GB/s" is state bytes / best time; "first" is the first repetition.
+Targets (issue 4 part 1, issue 6): checkpointd >= 0.9x raw and >= 3x torch.save.
+
+Run:  python benchmarks/bench_persist.py [--state-gb 5] [--dirs /dev/shm/x,/var/tmp/x] [--json out.json]
+      python benchmarks/bench_persist.py --cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_zstd"]
+
+
+def host_mirror(ts: list[torch.Tensor], dev: C.Dev) -> list[torch.Tensor]:
+    """Contiguous CPU tensors (pinned on CUDA) holding the bytes of ``ts``, for the raw writer."""
+    out = []
+    for t in ts:
+        if t.device.type == "cpu" and t.is_contiguous():
+            out.append(t.detach())
+        else:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda)
+            h.copy_(t)
+            out.append(h)
+    dev.sync()
+    return out
+
+
+def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_bytes: int, flush) -> None:
+    """One target directory; rows are appended to ``out["rows"]`` and ``flush()`` runs after each."""
+    C.clean_dir(root)
+    out["fs"] = C.fs_type(root)
+    free = C.free_bytes(root)
+    need = int(state_bytes * (1.15 if not args.keep_files else 2.3))
+    if free < need:
+        out["skipped"] = f"needs {need / 1e9:.1f} GB free, has {free / 1e9:.1f} GB"
+        return
+    rows = out["rows"]
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        flush()
+    # raw: every (files, threads) variant; the best is the ceiling
+    if "raw" in args.methods:
+        for thr in C.thread_counts(args.raw_threads):
+            for nf in sorted({1, thr}):
+                times = []
+                for _ in range(args.repeat):
+                    d = os.path.join(root, "raw")
+                    C.clean_dir(d)
+                    dt, _ = C.raw_write(d, views, nfiles=nf, threads=thr)
+                    times.append(dt)
+                    shutil.rmtree(d, ignore_errors=True)
+                add({"method": f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr", "kind": "raw", "times_s": times})
+    if "torch_save" in args.methods:
+        times = []
+        for _ in range(args.repeat):
+            p = os.path.join(root, "torch_save.pt")
+            C.collect()
+            t0 = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, p)
+            C.fsync_path(p)
+            times.append(time.perf_counter() - t0)
+            out["torch_save_file_bytes"] = os.path.getsize(p)
+            os.remove(p)
+        add({"method": "torch_save (+fsync)", "kind": "torch_save", "times_s": times})
+    for m in [m for m in args.methods if m.startswith("checkpointd")]:
+        add(bench_ckd(root, m, args, dev, model, opt, state_bytes))
+    C.clean_dir(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes: int) -> dict:
+    row: dict[str, Any] = {"method": method, "kind": method, "times_s": [], "notes": []}
+    ckd = C.try_import_checkpointd()
+    if isinstance(ckd, str):
+        row["error"] = ckd
+        return row
+    compression = "zstd" if method.endswith("zstd") else None
+    if compression and not C.has_zstd():
+        row["skipped"] = "zstandard is not installed"
+        return row
+    d = os.path.join(root, method)
+    C.clean_dir(d)
+    kw = dict(keep_last=None, compression=compression, max_pending=1)
+    kw.update(C.parse_json_arg(args.ckd_kwargs))
+    mgr = None
+    try:
+        t0 = time.perf_counter()
+        mgr = C.make_manager(d, {"model": model, "optim": opt}, notes=row["notes"], **kw)
+        row["setup_s"] = time.perf_counter() - t0
+        block = []
+        for rep in range(args.repeat):
+            step = rep + 1
+            C.collect()
+            dev.sync()
+            t0 = time.perf_counter()
+            started = mgr.maybe_save(step, force=True)
+            tb = time.perf_counter()
+            if hasattr(mgr, "wait_for_snapshot"):  # SPEC section 1: the snapshot copies are done
+                mgr.wait_for_snapshot()
+            ts = time.perf_counter()
+            mgr.wait()
+            t1 = time.perf_counter()
+            row.setdefault("snapshot_s", []).append(ts - t0)
+            row.setdefault("after_snapshot_s", []).append(t1 - ts)
+            if not started:
+                row["notes"].append(f"maybe_save({step}, force=True) returned False")
+            row["times_s"].append(t1 - t0)
+            block.append(tb - t0)
+            sd = [os.path.join(d, x) for x in os.listdir(d) if x.startswith("step-")]
+            row["disk_bytes"] = sum(C.dir_bytes(x) for x in sd)
+            row["stats"] = C.safe_stats(mgr)
+            if not args.keep_files:  # free the space outside the timed region (the manager keeps all)
+                for x in sd:
+                    shutil.rmtree(x, ignore_errors=True)
+        row["block_s"] = block
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = C.error_text(e)
+    finally:
+        if mgr is not None:
+            try:
+                mgr.close()
+            except Exception as e:  # noqa: BLE001
+                row["notes"].append("close: " + C.error_text(e))
+    shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def summarise(res: dict) -> str:
+    i, w = res["info"], res["state"]
+    lines = [f"\n== persist: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores",
+             f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}, fp32 params + AdamW moments), "
+             f"on {w['state_on']}{' pinned' if w['pinned'] else ''}",
+             "   GB/s = state bytes / best of --repeat (first = first repetition); x raw = vs the best raw row of the same dir; "
+             "targets: checkpointd >= 0.9x raw, >= 3x torch_save"]
+    for d in res["dirs"]:
+        lines.append(f"\n-- {d['dir']} ({d['fs']})")
+        if d.get("skipped"):
+            lines.append("   skipped: " + d["skipped"])
+            continue
+        rows = d["rows"]
+        raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
+        ts_best = next((r["GBps"] for r in rows if r["kind"] == "torch_save" and r.get("GBps")), None)
+        trows = []
+        for r in rows:
+            t = {"method": r["method"]}
+            if r.get("GBps"):
+                t.update(gbps=C.fmt(r["GBps"], ".2f"), best=C.fmt(min(r["times_s"]), ".3f"), first=C.fmt(r["times_s"][0], ".3f"))
+                if raw_best:
+                    t["xraw"] = C.fmt(r["GBps"] / raw_best, ".2f")
+                if ts_best:
+                    t["xts"] = C.fmt(r["GBps"] / ts_best, ".2f")
+                if r["kind"].startswith("checkpointd"):
+                    ok = []
+                    if raw_best:
+                        ok.append("ok" if r["GBps"] >= 0.9 * raw_best else "MISS")
+                    if ts_best:
+                        ok.append("ok" if r["GBps"] >= 3 * ts_best else "MISS")
+                    t["target"] = "/".join(ok)
+                    if r.get("block_s"):
+                        t["block"] = C.fmt(1e3 * min(r["block_s"]), ".1f")
+                    if r.get("snapshot_s"):
+                        t["snap"] = C.fmt(1e3 * min(r["snapshot_s"]), ".1f")
+                        t["after"] = C.fmt(res["state"]["state_bytes"] / min(r["after_snapshot_s"]) / 1e9, ".2f")
+                    if r.get("disk_bytes"):
+                        t["ratio"] = C.fmt(res["state"]["state_bytes"] / r["disk_bytes"], ".3f")
+            note = "; ".join(([("ERROR " + r["error"])] if r.get("error") else [])
+                             + ([("skipped: " + r["skipped"])] if r.get("skipped") else []) + r.get("notes", []))
+            if note:
+                t["note"] = note[:110]
+            trows.append(t)
+        cols = [("method", "method"), ("gbps", "GB/s"), ("best", "best s"), ("first", "first s"), ("xraw", "x raw"),
+                ("xts", "x torch_save"), ("target", "0.9x raw/3x ts"), ("block", "block ms"), ("snap", "snapshot ms"),
+                ("after", "GB/s after snapshot"), ("ratio", "size ratio"), ("note", "note")]
+        lines.append(C.table(trows, [c for c in cols if any(c[0] in r for r in trows)]))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="about 20 MB of state (smoke test)")
+    p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", 5.0))
+    p.add_argument("--D", type=int, default=None)
+    p.add_argument("--L", type=int, default=None)
+    p.add_argument("--state-on", choices=["cpu", "device"], default="cpu",
+                   help="cpu: pinned CPU tensors (default); device: the state lives on the GPU (save includes D2H)")
+    p.add_argument("--dirs", default=C.env_str("PERSIST_DIRS", "/dev/shm/ckd-persist,/var/tmp/ckd-persist"),
+                   help="comma list of target directories (each is created and removed)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
+    p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"), help="thread counts for raw writes")
+    p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
+    p.add_argument("--keep-files", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.D, a.L = a.D or 256, a.L or 2
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in a.methods:
+        if m not in ALL_METHODS:
+            p.error(f"unknown method {m!r}")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dev = C.Dev(cpu=args.cpu)
+    info = C.env_info(dev)
+    print(f"[persist] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
+    t0 = time.perf_counter()
+    model, opt, st = C.build_train_state(args.state_gb, args.D, args.L, dev, on=args.state_on)
+    ts = C.state_tensors(model, opt)
+    views = C.byte_views(host_mirror(ts, dev))
+    print(f"[persist] state {st['state_bytes'] / 1e9:.3f} GB in {st['tensors']} tensors on {st['state_on']} "
+          f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
+    res = {"info": info, "state": st, "args": vars(args), "dirs": []}
+    res["complete"] = False
+
+    def flush():
+        for dd in res["dirs"]:
+            for r in dd["rows"]:
+                if r.get("times_s") and not r.get("error") and "GBps" not in r:
+                    r["GBps"] = st["state_bytes"] / min(r["times_s"]) / 1e9
+                    print(f"[persist] {dd['dir']}: {r['method']}: {r['GBps']:.2f} GB/s", flush=True)
+                elif r.get("error") and not r.get("_printed"):
+                    r["_printed"] = True
+                    print(f"[persist] {dd['dir']}: {r['method']}: {r['error']}", flush=True)
+        C.write_json(args.json, res, quiet=True)
+
+    for root in [d.strip() for d in args.dirs.split(",") if d.strip()]:
+        d = {"dir": root, "fs": None, "rows": []}
+        res["dirs"].append(d)
+        try:
+            bench_dir(d, root, args, dev, model, opt, views, st["state_bytes"], flush)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            d["skipped"] = "ERROR " + C.error_text(e)
+            shutil.rmtree(root, ignore_errors=True)
+        flush()
+    res["complete"] = True
+    text = summarise(res)
+    print(text, flush=True)
+    res["table"] = text
+    C.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

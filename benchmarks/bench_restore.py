@@ -1,0 +1,292 @@
+"""Restore throughput: checkpointd.restore_latest() into live tensors beside raw reads and torch.load.
+
+State: the reference workload's parameters and AdamW moments (fp32) at about STATE_GB, live on the GPU
+(on CPU in CPU mode). For each target directory (default: a tmpfs and a disk directory) the same state
+is first written (untimed) as raw files, a torch.save file and checkpointd checkpoints; then, with the
+page cache of those files dropped before every timed read (posix_fadvise DONTNEED; a no-op on tmpfs)
+and the live tensors zeroed:
+
+- raw: the files read back with os.preadv (64 MiB chunks) from several threads into preallocated
+  pinned host buffers; every thread count of --raw-threads; the best is the ceiling "raw";
+- raw+h2d: the best raw read followed by copies into the live GPU tensors (a naive two-pass restore);
+- torch_load: torch.load(weights_only=True) to CPU, then model.load_state_dict + optimizer.load_state_dict
+  (which copy into / onto the live device);
+- checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
+  (construction untimed, reported).
+
+Values are checked against checksums taken before saving ("ok" column). GB/s = state bytes / best time.
+Target (issue 6): restore_latest >= 0.7x raw.
+
+Run:  python benchmarks/bench_restore.py [--state-gb 5] [--dirs /dev/shm/x,/var/tmp/x] [--json out.json]
+      python benchmarks/bench_restore.py --cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd"]
+
+
+def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
+    with torch.no_grad():
+        for t in ts:
+            t.zero_()
+    dev.sync()
+
+
+def check(model, opt, ref: list[float]) -> bool:
+    got = C.sample_checksums(C.state_tensors(model, opt))
+    return len(got) == len(ref) and all(a == b for a, b in zip(got, ref))
+
+
+def reset_live(model, opt, pristine: list[torch.Tensor], dev: C.Dev) -> None:
+    """Put the saved values back into the live tensors (a failed method may have left them zeroed)."""
+    with torch.no_grad():
+        for t, p in zip(C.state_tensors(model, opt), pristine):
+            t.copy_(p, non_blocking=True)
+    dev.sync()
+
+
+def timed_restore(args, dev: C.Dev, root: str, model, opt, fn) -> list[float]:
+    """Run ``fn`` --repeat times with the live tensors zeroed and the page cache dropped first."""
+    times = []
+    for _ in range(args.repeat):
+        zero_live(C.state_tensors(model, opt), dev)
+        C.drop_file_cache(root)
+        C.collect()
+        dev.sync()
+        t0 = time.perf_counter()
+        fn()
+        dev.sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list[torch.Tensor], ref: list[float],
+              state_bytes: int, flush) -> None:
+    """One target: for each method write its files (untimed), time the restores, delete the files.
+
+    Rows are appended to ``out["rows"]`` and ``flush()`` runs after each.
+    """
+    C.clean_dir(root)
+    out["fs"] = C.fs_type(root)
+    need = int(state_bytes * 1.15)
+    if C.free_bytes(root) < need:
+        out["skipped"] = f"needs {need / 1e9:.1f} GB free, has {C.free_bytes(root) / 1e9:.1f} GB"
+        return
+    rows = out["rows"]
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        flush()
+    if "raw" in args.methods:
+        reset_live(model, opt, pristine, dev)
+        d = os.path.join(root, "raw")
+        _, files = C.raw_write(d, C.byte_views(pristine), nfiles=max(C.thread_counts(args.raw_threads)),
+                               threads=os.cpu_count() or 1)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda) for t in pristine]
+        views = C.byte_views(host)
+        best = None
+        for thr in C.thread_counts(args.raw_threads):
+            times = []
+            for _ in range(args.repeat):
+                for h in host:
+                    h.zero_()
+                C.drop_file_cache(root)
+                times.append(C.raw_read(files, views, threads=thr))
+            add({"method": f"raw read x {thr} thr", "kind": "raw", "times_s": times,
+                         "ok": C.sample_checksums(host) == ref})
+            if best is None or min(times) < best[0]:
+                best = (min(times), thr)
+        if dev.cuda:  # the best raw read, then copies into the live GPU tensors (two passes)
+            def raw_h2d():
+                C.raw_read(files, views, threads=best[1])
+                for h, t in zip(host, C.state_tensors(model, opt)):
+                    t.copy_(h, non_blocking=True)
+            add({"method": f"raw read x {best[1]} thr + h2d", "kind": "raw+h2d",
+                         "times_s": timed_restore(args, dev, root, model, opt, raw_h2d), "ok": check(model, opt, ref)})
+        del host, views
+        shutil.rmtree(d, ignore_errors=True)
+        C.collect()
+    if "torch_load" in args.methods:
+        reset_live(model, opt, pristine, dev)
+        p = os.path.join(root, "torch_save.pt")
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, p)
+
+        def torch_load():
+            sd = torch.load(p, map_location="cpu", weights_only=True)
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])  # replaces the optimizer's state tensors (cast to the param device)
+        add({"method": "torch_load + load_state_dict", "kind": "torch_load",
+                     "times_s": timed_restore(args, dev, root, model, opt, torch_load), "ok": check(model, opt, ref)})
+        os.remove(p)
+        C.collect()
+    for m in [m for m in args.methods if m.startswith("checkpointd")]:
+        add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
+    row: dict[str, Any] = {"method": m + " restore_latest", "kind": m, "times_s": [], "notes": []}
+    ckd = C.try_import_checkpointd()
+    if isinstance(ckd, str):
+        row["error"] = ckd
+        return row
+    compression = "zstd" if m.endswith("zstd") else None
+    if compression and not C.has_zstd():
+        row["skipped"] = "zstandard is not installed"
+        return row
+    d = os.path.join(root, m)
+    kw = dict(keep_last=None, compression=compression)
+    kw.update(C.parse_json_arg(args.ckd_kwargs))
+    try:
+        reset_live(model, opt, pristine, dev)
+        with C.make_manager(d, {"model": model, "optim": opt}, notes=row["notes"], **kw) as mgr:
+            mgr.maybe_save(1, force=True)
+            mgr.wait()
+        row["disk_bytes"] = C.dir_bytes(d)
+        for _ in range(args.repeat):
+            zero_live(C.state_tensors(model, opt), dev)
+            C.drop_file_cache(root)
+            C.collect()
+            t0 = time.perf_counter()
+            mgr = C.make_manager(d, {"model": model, "optim": opt}, **kw)
+            row.setdefault("setup_s", []).append(time.perf_counter() - t0)
+            try:
+                dev.sync()
+                t0 = time.perf_counter()
+                step = mgr.restore_latest()
+                dev.sync()
+                row["times_s"].append(time.perf_counter() - t0)
+                if step != 1:
+                    row["notes"].append(f"restore_latest() returned {step!r}, expected 1")
+                row["stats"] = C.safe_stats(mgr)
+            finally:
+                mgr.close()
+        row["ok"] = check(model, opt, ref)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = C.error_text(e)
+    shutil.rmtree(d, ignore_errors=True)
+    C.collect()
+    return row
+
+
+def summarise(res: dict) -> str:
+    i, w = res["info"], res["state"]
+    lines = [f"\n== restore: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores",
+             f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}), live on {w['state_on']}",
+             "   GB/s = state bytes / best of --repeat, page cache dropped before each read; x raw = vs the best raw read of "
+             "the same dir; ok = values equal the saved ones; target: checkpointd >= 0.7x raw"]
+    for d in res["dirs"]:
+        lines.append(f"\n-- {d['dir']} ({d.get('fs')})")
+        if d.get("skipped"):
+            lines.append("   skipped: " + d["skipped"])
+            continue
+        rows = d["rows"]
+        raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
+        trows = []
+        for r in rows:
+            t = {"method": r["method"]}
+            if r.get("GBps"):
+                t.update(gbps=C.fmt(r["GBps"], ".2f"), best=C.fmt(min(r["times_s"]), ".3f"), first=C.fmt(r["times_s"][0], ".3f"))
+                if raw_best:
+                    t["xraw"] = C.fmt(r["GBps"] / raw_best, ".2f")
+                if r["kind"].startswith("checkpointd") and raw_best:
+                    t["target"] = "ok" if r["GBps"] >= 0.7 * raw_best else "MISS"
+                if r.get("setup_s"):
+                    t["setup"] = C.fmt(min(r["setup_s"]), ".2f")
+            if "ok" in r:
+                t["ok"] = "yes" if r["ok"] else "NO"
+            note = "; ".join(([("ERROR " + r["error"])] if r.get("error") else [])
+                             + ([("skipped: " + r["skipped"])] if r.get("skipped") else []) + r.get("notes", []))
+            if note:
+                t["note"] = note[:110]
+            trows.append(t)
+        cols = [("method", "method"), ("gbps", "GB/s"), ("best", "best s"), ("first", "first s"), ("xraw", "x raw"),
+                ("target", ">=0.7x raw"), ("ok", "ok"), ("setup", "mgr init s"), ("note", "note")]
+        lines.append(C.table(trows, [c for c in cols if any(c[0] in r for r in trows)]))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="about 20 MB of state (smoke test)")
+    p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", 5.0))
+    p.add_argument("--D", type=int, default=None)
+    p.add_argument("--L", type=int, default=None)
+    p.add_argument("--dirs", default=C.env_str("RESTORE_DIRS", C.env_str("PERSIST_DIRS", "/dev/shm/ckd-restore,/var/tmp/ckd-restore")),
+                   help="comma list of target directories (each is created and removed)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
+    p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"))
+    p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
+    p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.D, a.L = a.D or 256, a.L or 2
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in a.methods:
+        if m not in ALL_METHODS:
+            p.error(f"unknown method {m!r}")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dev = C.Dev(cpu=args.cpu)
+    info = C.env_info(dev)
+    print(f"[restore] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
+    model, opt, st = C.build_train_state(args.state_gb, args.D, args.L, dev, on="device")
+    live = C.state_tensors(model, opt)
+    ref = C.sample_checksums(live)
+    # the saved values (pinned host copies), to reset the live state between methods
+    pristine = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda).copy_(t) for t in live]
+    print(f"[restore] state {st['state_bytes'] / 1e9:.3f} GB in {st['tensors']} tensors on {st['state_on']}", flush=True)
+    res = {"info": info, "state": st, "args": vars(args), "dirs": []}
+    res["complete"] = False
+
+    def flush():
+        for dd in res["dirs"]:
+            for r in dd["rows"]:
+                if r.get("times_s") and not r.get("error") and "GBps" not in r:
+                    r["GBps"] = st["state_bytes"] / min(r["times_s"]) / 1e9
+                    print(f"[restore] {dd['dir']}: {r['method']}: {r['GBps']:.2f} GB/s", flush=True)
+                elif r.get("error") and not r.get("_printed"):
+                    r["_printed"] = True
+                    print(f"[restore] {dd['dir']}: {r['method']}: {r['error']}", flush=True)
+        C.write_json(args.json, res, quiet=True)
+
+    for root in [d.strip() for d in args.dirs.split(",") if d.strip()]:
+        d = {"dir": root, "fs": None, "rows": []}
+        res["dirs"].append(d)
+        try:
+            bench_dir(d, root, args, dev, model, opt, pristine, ref, st["state_bytes"], flush)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            d["skipped"] = "ERROR " + C.error_text(e)
+            shutil.rmtree(root, ignore_errors=True)
+        flush()
+    res["complete"] = True
+    text = summarise(res)
+    print(text, flush=True)
+    res["table"] = text
+    C.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

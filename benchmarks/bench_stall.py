@@ -1,0 +1,588 @@
+"""Training stall per checkpoint: checkpointd beside torch.save and DCP async_save, in the same process.
+
+Workload (performance issue 6): L transformer blocks of width D (LayerNorm, QKV projection, causal
+attention through F.scaled_dot_product_attention, 4x MLP), fp32 parameters, AdamW (fused on CUDA),
+bf16 autocast, batch B x sequence S. One checkpoint every EVERY steps, CKPTS checkpoints per method.
+
+Stall, defined (issue 6): per checkpoint, the sum over the save step and the 20 steps after it of
+(step time - median step time of the `none` run of this same process). Every step ends with
+torch.cuda.synchronize(), so a step's wall time is its true cost. Reported: mean and min/max over the
+checkpoints, the first one included; the same sum with negative terms clipped to zero (``stall+``,
+biased up by noise, the reference script's definition); the time the save call itself blocked; the
+steady-state step time between checkpoints (outside the 21-step windows, while the background persist
+runs) as a ratio to the `none` run over the same steps; pinned host memory; checkpointd's stats().
+
+Run:  python benchmarks/bench_stall.py [--state-gb 5] [--methods none,checkpointd,...] [--json out.json]
+      python benchmarks/bench_stall.py --cpu --tiny          (CPU smoke test, tiny sizes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+WINDOW = 21  # the save step + 20 steps after it
+
+ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
+               "checkpointd_device"]
+DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "dcp_async_pinned",
+                   "dcp_async", "torch_save", "none"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# savers: one object per method; save(step) is the timed blocking call, before_opt_step() runs between
+# backward and optimizer.step (where DCP's async staging must be waited for), finish() drains.
+
+
+class Saver:
+    name = "none"
+    saves_every_step = False  # checkpointd: maybe_save is called on every step and decides itself
+
+    def __init__(self, bench: "Bench"):
+        self.b = bench
+        self.notes: list[str] = []
+        self.persist_s: list[float] = []
+
+    def setup(self) -> None: ...
+    def before_opt_step(self) -> None: ...
+    def save(self, step: int) -> None: ...
+    def finish(self) -> None: ...
+    def extra(self) -> dict:
+        return {}
+
+    def peek_stats(self) -> dict | None:
+        return None
+
+
+class TorchSave(Saver):
+    name = "torch_save"
+
+    def save(self, step):
+        prev = getattr(self, "_prev", None)
+        t0 = time.perf_counter()
+        path = os.path.join(self.b.dir, f"s{step}.pt")
+        torch.save({"model": self.b.model.state_dict(), "optim": self.b.opt.state_dict()}, path)
+        self.persist_s.append(time.perf_counter() - t0)
+        if prev and os.path.exists(prev):
+            os.remove(prev)
+        self._prev = path
+
+
+class DcpAsync(Saver):
+    """dcp.async_save with its default stager (pageable, synchronous staging) or the pinned async one."""
+
+    name = "dcp_async"
+    pinned = False
+
+    def setup(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        self.dcp = dcp
+        self.kw: dict[str, Any] = {}
+        self.stager = None
+        if self.pinned:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: PLC0415
+            self.stager = DefaultStager(StagingOptions(True, False, True, True))
+            self.kw["async_stager"] = self.stager
+        self.pending = None  # (future, t0, dir)
+        self.staging = None
+        self.old_dirs: list[str] = []
+
+    def _drain(self):
+        if self.pending is not None:
+            fut, t0, d = self.pending
+            fut.result()
+            self.persist_s.append(time.perf_counter() - t0)
+            self.pending = None
+            for od in self.old_dirs:
+                shutil.rmtree(od, ignore_errors=True)
+            self.old_dirs = [d]
+
+    def before_opt_step(self):
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def save(self, step):
+        self._drain()  # at most one in flight, as max_pending=1
+        t0 = time.perf_counter()
+        d = os.path.join(self.b.dir, f"s{step}")
+        sd = {"model": self.b.model.state_dict(), "optim": self.b.opt.state_dict()}
+        try:
+            r = self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
+        except (RuntimeError, ValueError, AssertionError) as e:
+            if "process group" not in str(e).lower():
+                raise
+            self.notes.append(C.init_single_rank_group(self.b.dev.cuda))  # as the reference does, if needed
+            r = self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
+        if hasattr(r, "staging_completion"):
+            self.staging = r.staging_completion
+            fut = r.upload_completion
+        else:
+            fut = r
+        self.pending = (fut, t0, d)
+
+    def finish(self):
+        self.before_opt_step()
+        self._drain()
+        if self.stager is not None:
+            self.stager.close()
+
+
+class DcpAsyncPinned(DcpAsync):
+    name = "dcp_async_pinned"
+    pinned = True
+
+
+class Checkpointd(Saver):
+    name = "checkpointd"
+    saves_every_step = True
+    compression: str | None = None
+
+    def kwargs(self) -> dict | None:
+        return {}
+
+    def setup(self):
+        C.require_checkpointd()
+        extra = self.kwargs()
+        if extra is None:
+            raise SkipMethod(self.notes[-1] if self.notes else "not supported")
+        if self.compression == "zstd" and not C.has_zstd():
+            raise SkipMethod("zstandard is not installed")
+        kw = dict(every_n_steps=self.b.every, keep_last=self.b.args.keep_last, compression=self.compression,
+                  max_pending=self.b.args.max_pending)
+        kw.update(self.b.ckd_kwargs)
+        kw.update(extra)
+        t0 = time.perf_counter()
+        self.mgr = C.make_manager(self.b.dir, {"model": self.b.model, "optim": self.b.opt}, notes=self.notes, **kw)
+        self.b.dev.sync()
+        self.setup_s = time.perf_counter() - t0
+        self.kw_used = {k: v for k, v in kw.items()}
+        self.nonsave_call_s: list[float] = []
+
+    def save(self, step):
+        t0 = time.perf_counter()
+        started = self.mgr.maybe_save(step)
+        dt = time.perf_counter() - t0
+        if not started and step % self.b.every == 0:
+            self.notes.append(f"maybe_save({step}) returned False on a checkpoint step")
+        return dt
+
+    def peek_stats(self):
+        return C.safe_stats(self.mgr)
+
+    def finish(self):
+        t0 = time.perf_counter()
+        self.mgr.wait()
+        self.drain_s = time.perf_counter() - t0
+        self.stats = C.safe_stats(self.mgr)
+        self.mgr.close()
+
+    def extra(self):
+        return {"setup_s": getattr(self, "setup_s", None), "final_wait_s": getattr(self, "drain_s", None),
+                "max_nonsave_call_ms": 1e3 * max(self.nonsave_call_s) if getattr(self, "nonsave_call_s", None) else None,
+                "stats": getattr(self, "stats", None), "kwargs": getattr(self, "kw_used", None)}
+
+
+class CheckpointdZstd(Checkpointd):
+    name = "checkpointd_zstd"
+    compression = "zstd"
+
+
+class CheckpointdDevice(Checkpointd):
+    name = "checkpointd_device"
+
+    def kwargs(self):
+        if not self.b.dev.cuda:
+            self.notes.append("device staging needs CUDA")
+            return None
+        kw, why = C.device_staging_kwargs(self.b.device_kwargs)
+        self.notes.append(why)
+        return kw
+
+
+class SkipMethod(Exception):
+    pass
+
+
+SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
+                              CheckpointdDevice]}
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dev = C.Dev(cpu=args.cpu)
+        self.dir = args.dir
+        self.every = args.every
+        self.ckd_kwargs = C.parse_json_arg(args.ckd_kwargs)
+        self.device_kwargs = C.parse_json_arg(args.device_kwargs) or None
+        torch.manual_seed(0)
+        self.model = C.make_model(args.D, args.L, self.dev.device)
+        self.opt = C.make_optimizer(self.model, self.dev)
+        self.x = torch.randn(args.B, args.S, args.D, device=self.dev.device)
+        self.amp_dtype = torch.bfloat16
+
+    def fwd_bwd(self):
+        with torch.autocast(self.dev.device.type, dtype=self.amp_dtype):
+            y = self.model(self.x)
+        y.float().pow(2).mean().backward()
+
+    def train_step(self):
+        self.fwd_bwd()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def warmup(self, n):
+        for _ in range(n):
+            self.train_step()
+        self.dev.sync()
+
+    # --- the copy-time floor of the issue's target -------------------------------------------------
+    def floor(self, state_bytes: int) -> dict:
+        out: dict[str, Any] = {}
+        ts = []
+        for _ in range(10):
+            dt, _ = C.timed(self.fwd_bwd, self.dev)
+            ts.append(dt)
+        self.opt.zero_grad(set_to_none=True)
+        out["fwdbwd_ms"] = 1e3 * C.median(ts)
+        if not self.dev.cuda:
+            return out
+        n = min(1 << 30, max(state_bytes, 64 << 20))
+        g = torch.empty(n, dtype=torch.uint8, device=self.dev.device).random_(0, 255)
+        t0 = time.perf_counter()
+        p = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        out["pin_alloc_s_per_GiB"] = (time.perf_counter() - t0) * (1 << 30) / n
+        p.copy_(g, non_blocking=True)
+        self.dev.sync()
+        bw = []
+        for _ in range(5):
+            dt, _ = C.timed(lambda: p.copy_(g, non_blocking=True), self.dev)
+            bw.append(n / dt)
+        out["d2h_pinned_GBps"] = max(bw) / 1e9
+        h = torch.empty_like(g)
+        d2d = []
+        for _ in range(5):
+            dt, _ = C.timed(lambda: h.copy_(g), self.dev)
+            d2d.append(n / dt)
+        out["d2d_GBps"] = max(d2d) / 1e9
+        del g, p, h
+        C.collect()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+        out["copy_ms"] = 1e3 * state_bytes / (out["d2h_pinned_GBps"] * 1e9)
+        out["target_pinned_ms"] = 1.2 * max(0.0, out["copy_ms"] - out["fwdbwd_ms"]) + 10.0
+        out["target_device_ms"] = 20.0
+        return out
+
+    # --- one method ---------------------------------------------------------------------------------
+    def run(self, method: str) -> dict:
+        args = self.args
+        C.clean_dir(self.dir)
+        C.collect()
+        if self.dev.cuda and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+        saver = SAVERS[method](self)
+        if self.dev.cuda and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            try:  # pin GB is then this method's peak
+                torch.cuda.reset_peak_host_memory_stats()
+            except Exception:  # noqa: BLE001
+                pass
+        mem0 = C.host_memory(self.dev)
+        res: dict[str, Any] = {"method": method}
+        try:
+            saver.setup()
+        except SkipMethod as e:
+            return {"method": method, "skipped": str(e), "notes": saver.notes}
+        except Exception as e:  # noqa: BLE001 - a baseline that fails is a finding
+            traceback.print_exc()
+            return {"method": method, "error": C.error_text(e), "notes": saver.notes}
+        mem_setup = C.host_memory(self.dev)
+        step_t: list[float] = []
+        block_t: list[float] = []
+        mem_first = None
+        stats_first = None
+        saves = [s for s in range(1, self.steps + 1) if s % self.every == 0][: args.ckpts] if method != "none" else []
+        save_set = set(saves)
+        try:
+            self.dev.sync()
+            for step in range(1, self.steps + 1):
+                t0 = time.perf_counter()
+                self.fwd_bwd()
+                saver.before_opt_step()
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                if step in save_set:
+                    self.dev.sync()
+                    tb = time.perf_counter()
+                    saver.save(step)
+                    block_t.append(time.perf_counter() - tb)
+                elif saver.saves_every_step and step % self.every != 0:
+                    saver.nonsave_call_s.append(saver.save(step))
+                self.dev.sync()
+                step_t.append(time.perf_counter() - t0)
+                if saves and step == saves[0] + WINDOW:  # untimed: after this step's clock stopped
+                    mem_first = C.host_memory(self.dev)
+                    stats_first = saver.peek_stats()
+            t0 = time.perf_counter()
+            saver.finish()
+            res["drain_after_loop_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res["error"] = C.error_text(e)
+            try:
+                saver.finish()
+            except Exception:  # noqa: BLE001
+                pass
+        res.update({"step_s": step_t, "block_s": block_t, "saves": saves, "persist_s": saver.persist_s,
+                    "notes": saver.notes, "mem_before": mem0, "mem_after_setup": mem_setup,
+                    "mem_after_first_save": mem_first, "mem_end": C.host_memory(self.dev),
+                    "stats_after_first_save": stats_first})
+        res.update(saver.extra())
+        return res
+
+
+def analyse(runs: list[dict], every: int, steps: int) -> None:
+    """Add stall numbers to every run, against the `none` runs of this process.
+
+    The baseline median is that of all `none` steps pooled (the first two of each run left out), so a
+    later `none` run guards against drift; per-step baselines (steady x) average the `none` runs.
+    """
+    bases = [r["step_s"] for r in runs if r["method"].split("#")[0] == "none" and r.get("step_s") and "error" not in r]
+    if not bases:
+        return
+    n0 = min(len(b) for b in bases)
+    st0 = [sum(b[j] for b in bases) / len(bases) for j in range(n0)]
+    med = C.median([x for b in bases for x in b[2:]])
+    for r in runs:
+        st = r.get("step_s")
+        if not st:
+            continue
+        r["median_step_ms"] = 1e3 * C.median(st[2:])
+        r["none_median_step_ms"] = 1e3 * med
+        stalls, clipped = [], []
+        r["saves"] = [s for s in r["saves"] if s - 1 + WINDOW <= len(st)]  # a failed run stops early
+        for s in r["saves"]:
+            idx = range(s - 1, s - 1 + WINDOW)
+            stalls.append(sum(st[j] - med for j in idx))
+            clipped.append(sum(max(0.0, st[j] - med) for j in idx))
+        r["stall_ms"] = [1e3 * x for x in stalls]
+        r["stall_clipped_ms"] = [1e3 * x for x in clipped]
+        in_window = set()
+        for s in r["saves"]:
+            in_window.update(range(s - 1, s - 1 + WINDOW))
+        # steady state: after the first save's window (when persisting overlaps training), outside windows
+        first = (r["saves"][0] - 1 + WINDOW) if r["saves"] else every - 1 + WINDOW
+        steady = [j for j in range(first, min(len(st), len(st0))) if j not in in_window]
+        if not r["saves"]:  # the none runs: same indices as the checkpointing runs
+            steady = [j for j in range(every - 1 + WINDOW, len(st)) if (j - (every - 1)) % every >= WINDOW]
+        if steady:
+            mean_m = sum(st[j] for j in steady) / len(steady)
+            mean_0 = sum(st0[j] for j in steady) / len(steady)
+            r["steady_steps"] = len(steady)
+            r["steady_mean_ratio"] = mean_m / mean_0
+            r["steady_median_ratio"] = C.median([st[j] for j in steady]) / C.median([st0[j] for j in steady])
+
+
+def summarise(res: dict) -> str:
+    runs = res["runs"]
+    fl = res.get("floor", {})
+    dcp_stall = next((sum(r["stall_ms"]) / len(r["stall_ms"]) for r in runs
+                      if r["method"] == "dcp_async" and r.get("stall_ms")), None)
+    rows = []
+    for r in runs:
+        row: dict[str, Any] = {"method": r["method"]}
+        if "skipped" in r:
+            row["note"] = "skipped: " + r["skipped"]
+            rows.append(row)
+            continue
+        s = r.get("stall_ms") or []
+        if s:
+            mean = sum(s) / len(s)
+            row.update(stall=C.fmt(mean), smin=C.fmt(min(s)), smax=C.fmt(max(s)),
+                       first=C.fmt(s[0]), clip=C.fmt(sum(r["stall_clipped_ms"]) / len(s)))
+            b = r["block_s"]
+            row.update(block=C.fmt(1e3 * sum(b) / len(b), ".1f"), bfirst=C.fmt(1e3 * b[0], ".1f"))
+            if r["method"].startswith("checkpointd"):
+                tgt = fl.get("target_device_ms") if r["method"] == "checkpointd_device" else fl.get("target_pinned_ms")
+                verdict = []
+                if tgt is not None:
+                    verdict.append(f"{'ok' if max(s) <= tgt else 'MISS'} <= {tgt:.0f}ms")
+                if dcp_stall and dcp_stall > 0 and mean > 0 and r["method"] != "checkpointd_device":
+                    verdict.append(f"{dcp_stall / max(mean, 1e-9):.0f}x vs dcp")
+                row["target"] = ", ".join(verdict)
+        if "median_step_ms" in r:
+            row["med"] = C.fmt(r["median_step_ms"], ".2f")
+        if "steady_mean_ratio" in r:
+            row["steady"] = C.fmt(r["steady_mean_ratio"], ".3f")
+        me = r.get("mem_end") or {}
+        m0 = r.get("mem_before") or {}
+        if me.get("pinned_bytes") is not None and m0.get("pinned_bytes") is not None:
+            mf = r.get("mem_after_first_save") or {}
+            if me.get("pinned_peak_bytes") is not None:
+                row["pinned"] = C.fmt(me["pinned_peak_bytes"] / 1e9, ".2f")
+            if mf.get("pinned_allocs_total") is not None and me.get("pinned_allocs_total") is not None:
+                row["newpin"] = str(me["pinned_allocs_total"] - mf["pinned_allocs_total"])
+        st, sf = r.get("stats") or {}, r.get("stats_after_first_save") or {}
+        if st.get("pinned_bytes") is not None:
+            row["ckdpin"] = C.fmt(st["pinned_bytes"] / 1e9, ".2f")
+        if st.get("staging_allocations") is not None and sf.get("staging_allocations") is not None:
+            row["ckdnew"] = str(st["staging_allocations"] - sf["staging_allocations"])
+        if me.get("rss_bytes") and m0.get("rss_bytes"):
+            row["drss"] = C.fmt((me["rss_bytes"] - m0["rss_bytes"]) / 1e9, ".2f")
+        if r.get("persist_s"):
+            row["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
+        notes = list(r.get("notes") or [])
+        if "error" in r:
+            notes.insert(0, "ERROR " + r["error"])
+        if notes:
+            row["note"] = "; ".join(notes)[:110]
+        rows.append(row)
+    cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
+            ("clip", "stall+"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
+            ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
+            ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
+            ("persist", "persist s"), ("target", "target"), ("note", "note")]
+    i = res["info"]
+    w = res["workload"]
+    head = (f"\n== stall: {i['device']}, torch {i['torch']}, {i['date']}\n"
+            f"   D={w['D']} L={w['L']} B={w['B']} S={w['S']}: {w['params'] / 1e6:.1f}M params, "
+            f"state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors; {w['ckpts']} checkpoints every "
+            f"{w['every']} steps, {w['steps']} steps/method; dir {w['dir']} ({w['dir_fs']})\n")
+    if fl:
+        head += f"   fwd+bwd {C.fmt(fl.get('fwdbwd_ms'), '.1f')} ms"
+        if "d2h_pinned_GBps" in fl:
+            head += (f"; pinned D2H {fl['d2h_pinned_GBps']:.1f} GB/s -> copy {fl['copy_ms']:.1f} ms; "
+                     f"D2D {fl['d2d_GBps']:.0f} GB/s; pin alloc {fl['pin_alloc_s_per_GiB']:.2f} s/GiB\n"
+                     f"   targets: pinned stall <= 1.2*max(0, copy - fwdbwd) + 10 = {fl['target_pinned_ms']:.1f} ms "
+                     f"and >= 40x below dcp_async; device staging <= 20 ms; steady x <= 1.02")
+        head += "\n"
+    nones = [r for r in runs if r["method"].split("#")[0] == "none" and "median_step_ms" in r]
+    if nones:
+        head += ("   `none` baseline median step " + C.fmt(nones[0].get("none_median_step_ms"), ".2f") + " ms (pooled over "
+                 + ", ".join(f"{r['method']} {r['median_step_ms']:.2f}" for r in nones) + " ms)\n")
+    head += ("   stall = sum over save step + 20 steps of (step - median step of `none`), mean [min, max] over "
+             "checkpoints, first included; stall+ = same with negatives clipped; block = time inside the save call;\n"
+             "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
+             "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
+             "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save\n")
+    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
+
+
+def ckd_stats_lines(runs: list[dict]) -> str:
+    out = []
+    for r in runs:
+        if r["method"].startswith("checkpointd") and r.get("stats"):
+            s = {k: v for k, v in r["stats"].items() if not isinstance(v, (dict, list))}
+            s.update({"last." + k: v for k, v in (r["stats"].get("last_save") or {}).items()})
+            out.append(f"   {r['method']} stats(): " + ", ".join(f"{k}={C.fmt(v, '.4g')}" for k, v in s.items())[:600])
+            if r.get("setup_s") is not None:
+                out.append(f"   {r['method']} construction {r['setup_s']:.2f} s, final wait {C.fmt(r.get('final_wait_s'), '.2f')} s, "
+                           f"max non-save maybe_save {C.fmt(r.get('max_nonsave_call_ms'), '.3f')} ms")
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="run on CPU even if CUDA is available")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", None),
+                   help="preset: 0.5, 5 or 20 GB of state (chooses D and L); other values pick L at D=2048")
+    p.add_argument("--D", type=int, default=C.env_int("D", None))
+    p.add_argument("--L", type=int, default=C.env_int("L", None))
+    p.add_argument("--B", type=int, default=C.env_int("B", None))
+    p.add_argument("--S", type=int, default=C.env_int("S", None))
+    p.add_argument("--every", type=int, default=C.env_int("EVERY", None), help="checkpoint every N steps (default 100)")
+    p.add_argument("--ckpts", type=int, default=C.env_int("CKPTS", 3), help="checkpoints per method (>= 3)")
+    p.add_argument("--steps", type=int, default=C.env_int("STEPS", None),
+                   help="timed steps per method (default (ckpts+1)*every - 1)")
+    p.add_argument("--warmup", type=int, default=C.env_int("WARMUP", 5))
+    p.add_argument("--methods", default=C.env_str("METHODS", ",".join(DEFAULT_METHODS)),
+                   help="comma list from: " + ", ".join(ALL_METHODS) + " (the first `none` is the baseline)")
+    p.add_argument("--dir", default=C.env_str("CKDIR", "/dev/shm/ckd-bench"), help="checkpoint target (cleaned per method)")
+    p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--max-pending", type=int, default=1)
+    p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None),
+                   help="JSON object of extra CheckpointManager kwargs for every checkpointd method")
+    p.add_argument("--device-kwargs", default=C.env_str("CKD_DEVICE_KWARGS", None),
+                   help="JSON object of kwargs that turn on device staging (checkpointd_device); auto-detected if absent")
+    p.add_argument("--json", default=None, help="write all results here")
+    a = p.parse_args(argv)
+    if a.tiny:
+        d = dict(D=64, L=2, B=2, S=32, every=25)
+    else:
+        dd, ll = C.shape_for_gb(a.state_gb if a.state_gb is not None else 5.0)
+        d = dict(D=dd, L=ll, B=8, S=512, every=100)
+    for k, v in d.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.steps is None:
+        a.steps = (a.ckpts + 1) * a.every - 1
+    if a.every < WINDOW + 1:
+        p.error(f"--every must be > {WINDOW} so the stall windows do not overlap")
+    if a.steps < a.ckpts * a.every + WINDOW - 1:
+        p.error(f"--steps must be >= ckpts*every + {WINDOW - 1}")
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in a.methods:
+        if m not in SAVERS:
+            p.error(f"unknown method {m!r}; choose from {ALL_METHODS}")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    b = Bench(args)
+    b.steps = args.steps
+    info = C.env_info(b.dev)
+    print(f"[stall] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
+    if not b.dev.cuda:
+        print("[stall] CPU mode: a smoke test of the script; its timings mean nothing", flush=True)
+    os.makedirs(args.dir, exist_ok=True)
+    b.warmup(args.warmup)
+    sb = C.nbytes(C.state_tensors(b.model, b.opt))
+    workload = {"D": args.D, "L": args.L, "B": args.B, "S": args.S, "params": sum(p.numel() for p in b.model.parameters()),
+                "state_bytes": sb, "tensors": len(C.state_tensors(b.model, b.opt)), "every": args.every,
+                "ckpts": args.ckpts, "steps": args.steps, "dir": args.dir, "dir_fs": C.fs_type(args.dir),
+                "amp": "bf16", "fused_adamw": b.dev.cuda}
+    print(f"[stall] state {sb / 1e9:.3f} GB; D={args.D} L={args.L} B={args.B} S={args.S}", flush=True)
+    floor = b.floor(sb)
+    print(f"[stall] floor {floor}", flush=True)
+    res = {"info": info, "workload": workload, "floor": floor, "runs": [], "complete": False}
+    counts: dict[str, int] = {}
+    for m in args.methods:
+        t0 = time.perf_counter()
+        r = b.run(m)
+        counts[m] = counts.get(m, 0) + 1
+        if counts[m] > 1:
+            r["method"] = f"{m}#{counts[m]}"
+        r["wall_s"] = time.perf_counter() - t0
+        res["runs"].append(r)
+        analyse(res["runs"], args.every, args.steps)
+        C.write_json(args.json, res, quiet=True)
+        brief = {k: r.get(k) for k in ("stall_ms", "block_s", "steady_mean_ratio", "error", "skipped") if r.get(k) is not None}
+        print(f"[stall] {r['method']}: {C.jsonable(brief)} ({r['wall_s']:.1f} s)", flush=True)
+    C.clean_dir(args.dir)
+    text = summarise(res)
+    stats = ckd_stats_lines(res["runs"])
+    print(text + ("\n" + stats if stats else ""), flush=True)
+    res["table"] = text + ("\n" + stats if stats else "")
+    res["complete"] = True
+    C.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

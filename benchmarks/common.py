@@ -1,0 +1,607 @@
+"""Shared scaffolding for the checkpointd benchmarks (not library code).
+
+Everything a benchmark needs besides its own measurement loop: device and synchronisation, the
+reference workload of the performance issue (transformer blocks with LayerNorm, QKV, causal attention,
+4x MLP; fp32 parameters; AdamW), a state builder of a given size, the host-memory probes, the
+feature-detecting checkpointd constructor, plain-text tables and JSON output.
+
+The benchmarks use only checkpointd's public API (SPEC section 1). Extra constructor keyword arguments
+(a device-staging option, a host budget, ...) are passed through from ``--ckd-kwargs`` and dropped
+with a printed note if the constructor does not accept them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import inspect
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# device
+
+
+class Dev:
+    """The device a benchmark runs on, and how to wait for it."""
+
+    def __init__(self, cpu: bool = False):
+        self.cuda = torch.cuda.is_available() and not cpu
+        self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @property
+    def name(self) -> str:
+        if self.cuda:
+            return torch.cuda.get_device_name(0)
+        return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def env_info(dev: Dev) -> dict:
+    """What the reader of a result needs to reproduce it."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "device": dev.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if dev.cuda else None,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "host": platform.node(),
+    }
+    ckd = try_import_checkpointd()
+    info["checkpointd"] = getattr(ckd, "__version__", "unknown") if not isinstance(ckd, str) else f"unavailable: {ckd}"
+    return info
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def env_float(name: str, default: float | None) -> float | None:
+    v = os.environ.get(name)
+    return float(v) if v not in (None, "") else default
+
+
+def env_str(name: str, default: str | None) -> str | None:
+    v = os.environ.get(name)
+    return v if v not in (None, "") else default
+
+
+# ----------------------------------------------------------------------------------------------------
+# reference workload (performance issue 6)
+
+
+class Block(nn.Module):
+    """One transformer block: LayerNorm, QKV projection, causal attention, 4x MLP (as the reference)."""
+
+    def __init__(self, d: int, device: Any = None):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, device=device)
+        self.a = nn.Linear(d, 4 * d, device=device)
+        self.b = nn.Linear(4 * d, d, device=device)
+        self.q = nn.Linear(d, 3 * d, device=device)
+        self.o = nn.Linear(d, d, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        q, k, v = self.q(h).chunk(3, -1)
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.b(F.gelu(self.a(self.ln(x))))
+
+
+def params_per_block(d: int) -> int:
+    return 12 * d * d + 11 * d
+
+
+def state_bytes_for(d: int, layers: int) -> int:
+    """fp32 parameters + AdamW exp_avg + exp_avg_sq."""
+    return 12 * params_per_block(d) * layers
+
+
+# --state-gb presets: about 0.5 / 5 / 20 GB of fp32 AdamW state (params + two moments).
+STATE_PRESETS = {
+    0.5: (1024, 3),   # 0.45 GB
+    5.0: (2048, 8),   # 4.83 GB  (the issue's reference workload)
+    20.0: (2048, 33),  # 19.9 GB
+}
+
+
+def shape_for_gb(gb: float) -> tuple[int, int]:
+    """(D, L) for about ``gb`` GB of state: a preset if one matches, else D=2048 and enough layers."""
+    for k, v in STATE_PRESETS.items():
+        if abs(k - gb) < 1e-6:
+            return v
+    d = 2048 if gb >= 1 else 1024
+    layers = max(1, round(gb * 1e9 / state_bytes_for(d, 1)))
+    return d, layers
+
+
+def make_model(d: int, layers: int, device: torch.device, *, seed: int = 0, fast_init: bool = False) -> nn.Sequential:
+    """The reference model. ``fast_init`` skips kaiming init (built on meta, filled with randn * 0.02)."""
+    torch.manual_seed(seed)
+    if not fast_init:
+        return nn.Sequential(*[Block(d) for _ in range(layers)]).to(device)
+    with torch.device("meta"):
+        m = nn.Sequential(*[Block(d) for _ in range(layers)])
+    m = m.to_empty(device=device)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.02)
+    return m
+
+
+def make_optimizer(model: nn.Module, dev: Dev) -> torch.optim.Optimizer:
+    if dev.cuda:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def fill_adam_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Populate the optimizer state with one real AdamW step on random gradients (realistic moments)."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def pin_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Move a CPU model's parameters and the optimizer's tensors into pinned memory, in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.pin_memory()
+        for st in opt.state.values():
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and v.numel() > 1:
+                    st[k] = v.pin_memory()
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    ts = [p for p in model.parameters()]
+    if opt is not None:
+        for st in opt.state.values():
+            ts += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    return ts
+
+
+def nbytes(ts: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def build_train_state(gb: float | None, d: int | None, layers: int | None, dev: Dev, *,
+                      on: str = "device", pinned: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """A model + AdamW with populated state, on the device (``on="device"``) or on CPU (pinned if CUDA)."""
+    if d is None or layers is None:
+        d0, l0 = shape_for_gb(gb if gb is not None else 5.0)
+        d, layers = d or d0, layers or l0
+    where = dev.device if on == "device" else torch.device("cpu")
+    model = make_model(d, layers, where, fast_init=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=(where.type == "cuda"))
+    fill_adam_state(model, opt)
+    if where.type == "cpu" and dev.cuda and pinned:
+        pin_state(model, opt)
+    dev.sync()
+    info = {"D": d, "L": layers, "params": sum(p.numel() for p in model.parameters()),
+            "state_bytes": nbytes(state_tensors(model, opt)), "tensors": len(state_tensors(model, opt)),
+            "state_on": str(where), "pinned": bool(where.type == "cpu" and dev.cuda and pinned)}
+    return model, opt, info
+
+
+# ----------------------------------------------------------------------------------------------------
+# host memory
+
+
+def proc_status_bytes(key: str) -> int | None:
+    """VmRSS / VmHWM / VmLck ... of this process, in bytes (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_memory(dev: Dev) -> dict:
+    """Pinned bytes held by PyTorch's caching host allocator (if this torch reports it) and process RSS.
+
+    Pinned memory that a library registers itself (cudaHostRegister) is not in the allocator's numbers;
+    it shows in RSS only.
+    """
+    out: dict[str, Any] = {"rss_bytes": proc_status_bytes("VmRSS"), "rss_peak_bytes": proc_status_bytes("VmHWM")}
+    if dev.cuda and hasattr(torch.cuda, "host_memory_stats"):
+        try:
+            s = torch.cuda.host_memory_stats()
+            out["pinned_bytes"] = s.get("allocated_bytes.current")
+            out["pinned_peak_bytes"] = s.get("allocated_bytes.peak")
+            out["pinned_allocs_total"] = s.get("num_host_alloc", s.get("allocations.allocated"))
+        except Exception as e:  # noqa: BLE001 - a probe, never fatal
+            out["pinned_error"] = repr(e)[:200]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpointd, through its public API only
+
+
+def try_import_checkpointd() -> Any:
+    """The ``checkpointd`` module, or a string saying why it cannot be imported."""
+    try:
+        import checkpointd  # noqa: PLC0415
+        getattr(checkpointd, "CheckpointManager")
+        return checkpointd
+    except ModuleNotFoundError as e:
+        if e.name == "checkpointd":
+            return ("checkpointd is not importable: run with PYTHONPATH=src from the repository root, "
+                    "or pip install -e .")
+        return f"checkpointd failed to import: {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"checkpointd failed to import: {type(e).__name__}: {e}"
+
+
+def require_checkpointd() -> Any:
+    ckd = try_import_checkpointd()
+    if isinstance(ckd, str):
+        raise RuntimeError(ckd)
+    return ckd
+
+
+def manager_params() -> tuple[set[str], bool]:
+    """Names the CheckpointManager constructor accepts, and whether it takes **kwargs."""
+    ckd = require_checkpointd()
+    sig = inspect.signature(ckd.CheckpointManager)
+    names = set(sig.parameters)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var_kw
+
+
+def make_manager(root: str, state: dict, *, notes: list[str] | None = None, **kwargs: Any) -> Any:
+    """CheckpointManager(root, state, **kwargs), dropping keyword arguments it does not accept (noted)."""
+    ckd = require_checkpointd()
+    names, var_kw = manager_params()
+    use = {}
+    for k, v in kwargs.items():
+        if k in names or var_kw:
+            use[k] = v
+        elif notes is not None:
+            notes.append(f"CheckpointManager has no argument {k!r}; dropped")
+    return ckd.CheckpointManager(root, state, **use)
+
+
+# Argument names a device-staging option might take; the first the constructor accepts is used when
+# --device-kwargs is not given. Values: what to pass.
+DEVICE_STAGING_CANDIDATES: list[tuple[str, Any]] = [
+    ("staging", "device"),
+    ("device_staging", True),
+    ("stage_on_device", True),
+    ("staging_device", "cuda"),
+    ("gpu_staging", True),
+]
+
+
+def device_staging_kwargs(explicit: dict | None) -> tuple[dict | None, str]:
+    """Keyword arguments that turn on device staging, or (None, why not)."""
+    if explicit:
+        return explicit, f"device staging via --device-kwargs {json.dumps(explicit)}"
+    names, _ = manager_params()
+    for k, v in DEVICE_STAGING_CANDIDATES:
+        if k in names:
+            return {k: v}, f"device staging via {k}={v!r} (detected)"
+    return None, ("CheckpointManager has no device-staging argument (looked for "
+                  + ", ".join(k for k, _ in DEVICE_STAGING_CANDIDATES)
+                  + "); pass --device-kwargs '{\"name\": value}' to name it")
+
+
+def safe_stats(mgr: Any) -> dict:
+    try:
+        return jsonable(mgr.stats())
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:200]}
+
+
+def has_zstd() -> bool:
+    try:
+        import zstandard  # noqa: F401, PLC0415
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def init_single_rank_group(cuda: bool) -> str:
+    """A 1-rank process group (gloo for CPU, plus NCCL on CUDA), for APIs that insist on one."""
+    import torch.distributed as dist  # noqa: PLC0415
+    if dist.is_initialized():
+        return "already initialised"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket  # noqa: PLC0415
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return f"initialised a 1-rank {backend} group"
+
+
+# ----------------------------------------------------------------------------------------------------
+# files
+
+
+def clean_dir(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+
+
+def fs_type(path: str) -> str:
+    """File system type of ``path`` from /proc/mounts (longest matching mount point)."""
+    path = os.path.realpath(path)
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1]
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def free_bytes(path: str) -> int:
+    os.makedirs(path, exist_ok=True)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def drop_file_cache(root: str) -> None:
+    """Evict the page cache of every file under ``root`` (no-op on tmpfs; needs no root)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for dp, _, fns in os.walk(root):
+        for fn in fns:
+            try:
+                fd = os.open(os.path.join(dp, fn), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def dir_bytes(root: str) -> int:
+    tot = 0
+    for dp, _, fns in os.walk(root):
+        for fn in fns:
+            try:
+                tot += os.path.getsize(os.path.join(dp, fn))
+            except OSError:
+                pass
+    return tot
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def byte_views(ts: Sequence[torch.Tensor]) -> list[memoryview]:
+    """Zero-copy byte views of contiguous CPU tensors."""
+    out = []
+    for t in ts:
+        assert t.device.type == "cpu" and t.is_contiguous()
+        out.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# numbers, tables, JSON
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt(x: Any, spec: str = ".1f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x != x:  # nan
+            return "-"
+        return format(x, spec)
+    return str(x)
+
+
+def table(rows: list[dict], cols: list[tuple[str, str]], title: str | None = None) -> str:
+    """Plain-text table. ``cols``: (key, header). Values are pre-formatted strings or numbers."""
+    cells = [[str(r.get(k, "")) for k, _ in cols] for r in rows]
+    heads = [h for _, h in cols]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
+    out = []
+    if title:
+        out.append(title)
+    out.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(heads, widths))))
+    out.append("  ".join("-" * w for w in widths))
+    for c in cells:
+        out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+    return "\n".join(out)
+
+
+def jsonable(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {str(k): jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [jsonable(v) for v in o]
+    if isinstance(o, float) and o != o:
+        return None
+    if isinstance(o, (str, int, float, bool)) or o is None:
+        return o
+    if torch.is_tensor(o) and o.numel() == 1:
+        return o.item()
+    return repr(o)
+
+
+def write_json(path: str | None, obj: dict, *, quiet: bool = False) -> None:
+    """Write ``obj`` as JSON (atomically: a killed run leaves the previous complete file)."""
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(jsonable(obj), f, indent=1)
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}", flush=True)
+
+
+def parse_json_arg(s: str | None) -> dict:
+    if not s:
+        return {}
+    v = json.loads(s)
+    if not isinstance(v, dict):
+        raise SystemExit(f"expected a JSON object, got {s!r}")
+    return v
+
+
+def timed(fn: Callable[[], Any], dev: Dev | None = None) -> tuple[float, Any]:
+    if dev is not None:
+        dev.sync()
+    t0 = time.perf_counter()
+    r = fn()
+    if dev is not None:
+        dev.sync()
+    return time.perf_counter() - t0, r
+
+
+def collect() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+# ----------------------------------------------------------------------------------------------------
+# raw I/O: the ceiling a checkpoint writer/reader is compared with (same bytes, several threads, fsync)
+
+CHUNK_BYTES = 64 << 20
+
+
+def split_groups(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indices split into ``n`` groups of about equal bytes (largest first, greedy), order kept inside."""
+    n = max(1, min(n, len(sizes)))
+    groups: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = load.index(min(load))
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return [sorted(g) for g in groups if g]
+
+
+def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, off)
+        mv, off = mv[n:], off + n
+
+
+def _pread_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.preadv(fd, [mv], off)
+        if n <= 0:
+            raise EOFError(f"short read at offset {off}")
+        mv, off = mv[n:], off + n
+
+
+def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: int) -> tuple[float, list[tuple[str, list[int]]]]:
+    """Write ``views`` into ``nfiles`` files with ``threads`` threads (64 MiB pwrite chunks), fsync each.
+
+    Returns the wall time from the first open to the last fsync, and [(file, view indices)] in file order.
+    """
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    os.makedirs(root, exist_ok=True)
+    groups = split_groups([len(v) for v in views], nfiles)
+    files = [(os.path.join(root, f"raw{k:03d}.bin"), g) for k, g in enumerate(groups)]
+    tasks = []  # (file index, view, offset)
+    for fi, (_, g) in enumerate(files):
+        off = 0
+        for i in g:
+            v = views[i]
+            for s in range(0, len(v), CHUNK_BYTES):
+                tasks.append((fi, v[s:s + CHUNK_BYTES], off + s))
+            off += len(v)
+    t0 = time.perf_counter()
+    fds = [os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644) for p, _ in files]
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda t: _pwrite_all(fds[t[0]], t[1], t[2]), tasks))
+            list(ex.map(os.fsync, fds))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return time.perf_counter() - t0, files
+
+
+def raw_read(files: Sequence[tuple[str, list[int]]], views: Sequence[memoryview], *, threads: int) -> float:
+    """Read files written by :func:`raw_write` back into ``views`` with ``threads`` threads (64 MiB preads)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    tasks = []
+    for fi, (_, g) in enumerate(files):
+        off = 0
+        for i in g:
+            v = views[i]
+            for s in range(0, len(v), CHUNK_BYTES):
+                tasks.append((fi, v[s:s + CHUNK_BYTES], off + s))
+            off += len(v)
+    t0 = time.perf_counter()
+    fds = [os.open(p, os.O_RDONLY) for p, _ in files]
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda t: _pread_all(fds[t[0]], t[1], t[2]), tasks))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def thread_counts(spec: str | None) -> list[int]:
+    """'1,8,max' -> [1, 8, os.cpu_count()] (deduplicated, ascending)."""
+    ncpu = os.cpu_count() or 1
+    out = set()
+    for s in (spec or "1,8,max").split(","):
+        s = s.strip()
+        if s:
+            out.add(ncpu if s == "max" else int(s))
+    return sorted(out)
+
+
+def sample_checksums(ts: Sequence[torch.Tensor], every: int = 7) -> list[float]:
+    """Float64 sums of every ``every``-th tensor: a cheap check that a restore brought the values back."""
+    return [float(t.detach().double().sum()) for t in ts[::every]]

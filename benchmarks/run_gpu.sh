@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# One command for a CUDA host, from the repository root or anywhere:
+#
+#     bash benchmarks/run_gpu.sh
+#
+# Installs the carried wheels (if $WHEELS exists), then runs, with PYTHONPATH=src:
+#   1. bench_stall.py   (training stall; tmpfs target)            -> $OUT/stall.json
+#   2. bench_persist.py (persist throughput; tmpfs, then disk)     -> $OUT/persist_tmpfs.json, persist_disk.json
+#   3. bench_restore.py (restore throughput; tmpfs, then disk)     -> $OUT/restore_tmpfs.json, restore_disk.json
+# and prints the compact tables last. Stages run in that order under one time budget (BUDGET_S); a stage
+# that runs out of time is interrupted and its partial JSON is kept (tables say PARTIAL).
+#
+# Environment (defaults in brackets):
+#   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
+#   BUDGET_S [470]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
+#   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
+#            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
+#   persist/restore: REPEAT [2]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS
+#   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
+#   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/bench-out}
+WHEELS=${WHEELS:-.wheels}
+STATE_GB=${STATE_GB:-5}
+BUDGET_S=${BUDGET_S:-470}
+TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
+DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
+SKIP_DISK=${SKIP_DISK:-0}
+export RAW_THREADS=${RAW_THREADS:-8,max}
+export REPEAT=${REPEAT:-2}
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+START=$(date +%s)
+
+if [ -d "$WHEELS" ]; then
+    echo "== installing wheels from $WHEELS"
+    "$PY" -m pip install --no-index --find-links "$WHEELS" zstandard fsspec 2>&1 | tail -n 2
+fi
+"$PY" - <<'EOF'
+import torch
+print("== torch", torch.__version__, "cuda", torch.version.cuda, "|",
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE (benchmarks fall back to CPU)")
+for m in ("zstandard", "fsspec", "checkpointd"):
+    try:
+        mod = __import__(m); print("   ", m, getattr(mod, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001
+        print("   ", m, "NOT IMPORTABLE:", e)
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+df -h "$(dirname "$TMPFS_DIR")" "$(dirname "$DISK_DIR")" 2>/dev/null | tee "$OUT/df.txt"
+
+# stage NAME CAP_SECONDS ARGS...: run one benchmark under min(CAP, what is left of BUDGET_S)
+stage() {
+    local name=$1 cap=$2; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    local t=$(( cap < left ? cap : left ))
+    if [ "$t" -lt 20 ]; then
+        echo "== $name: skipped, time budget spent"; return
+    fi
+    echo "== $name (limit ${t}s): $*"
+    # shellcheck disable=SC2086
+    timeout --signal=INT --kill-after=30 "$t" "$PY" "$@" ${BENCH_ARGS:-} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && echo "== $name: exit status $rc (124 = ran out of time; partial JSON kept)"
+    return 0
+}
+
+stage stall 300 benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
+stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
+    ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
+stage restore_tmpfs 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+    ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+if [ "$SKIP_DISK" != "1" ]; then
+    stage persist_disk 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
+        ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
+    stage restore_disk 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
+        ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+fi
+rm -rf "$TMPFS_DIR" "$DISK_DIR"
+
+echo
+echo "################ summary ($(( $(date +%s) - START )) s) ################"
+OUT="$OUT" "$PY" - <<'EOF'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+import bench_stall, bench_persist, bench_restore
+out = os.environ["OUT"]
+for name, mod in [("stall", bench_stall), ("persist_tmpfs", bench_persist), ("restore_tmpfs", bench_restore),
+                  ("persist_disk", bench_persist), ("restore_disk", bench_restore)]:
+    p = os.path.join(out, name + ".json")
+    if not os.path.exists(p):
+        print(f"\n== {name}: no result ({p} missing)")
+        continue
+    r = json.load(open(p))
+    try:
+        text = r.get("table") or mod.summarise(r)
+        if name == "stall" and not r.get("table"):
+            text += "\n" + bench_stall.ckd_stats_lines(r["runs"])
+    except Exception as e:  # noqa: BLE001
+        text = f"\n== {name}: cannot summarise ({e!r}); see {p}"
+    print(text + ("" if r.get("complete") else f"\n   PARTIAL: {name} was interrupted; rows above are complete ones"))
+print(f"\nJSON and logs in {out}")
+EOF

@@ -1,0 +1,46 @@
+"""checkpointd: asynchronous background checkpoints for PyTorch training.
+
+The public API (SPEC §1)::
+
+    from checkpointd import CheckpointManager, load, CheckpointError, CheckpointWriteError
+
+Follow a save from :meth:`CheckpointManager.maybe_save` in ``manager.py``: its module docstring lists
+the pipeline stages and the module that implements each.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StateError,
+    StateMismatchError,
+    StepAlreadyExistsError,
+    UnsafeCheckpointError,
+)
+from .load import load  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
+
+__all__ = [
+    "CheckpointManager",
+    "load",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "ManifestError",
+    "StateError",
+    "StateMismatchError",
+    "StepAlreadyExistsError",
+    "UnsafeCheckpointError",
+    "__version__",
+]

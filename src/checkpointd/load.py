@@ -1,0 +1,101 @@
+"""``checkpointd.load``: one checkpoint as plain Python data, without a manager or live objects.
+
+Accepts a checkpoint root, a step directory, a single ``.pt``/``.mdlus`` file (optionally compressed),
+or a directory written by PhysicsNeMo's ``save_checkpoint``. Everything is verified and loaded with
+the weights-only unpickler; tensors come back on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from . import commit, layout
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .restore import decode, load_native, read_step, values_by_entry
+from .storage import Store
+
+_PN_FILE_RE = re.compile(r"^(?P<stem>.+)\.(?P<rank>\d+)\.(?P<epoch>\d+)\.(?P<ext>pt|mdlus)$")
+
+
+def load(path: str | os.PathLike[str], step: int | None = None, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load one checkpoint as ``{state name: stored value}`` with CPU tensors.
+
+    Args:
+        path: a root (latest committed step, or ``step``), a step directory, a single file, or a
+            PhysicsNeMo checkpoint directory (its newest epoch, or ``step``).
+        step: which step to load from a root or PhysicsNeMo directory.
+        storage_options: passed to fsspec.
+
+    Raises:
+        CheckpointNotFoundError: nothing loadable at ``path`` (or no such step).
+        CorruptCheckpointError / IncompleteCheckpointError: the checkpoint does not verify.
+    """
+    store = Store(path, storage_options)
+    if store.is_file(""):
+        return _load_single_file(store)
+    names = store.list_dir("")
+    if not names:
+        raise CheckpointNotFoundError(f"{store.display()} does not exist or is empty")
+    if layout.MANIFEST_NAME in names or layout.COMMIT_MARKER_NAME in names:
+        if step is not None and layout.parse_step_dir_name(store.root) not in (None, step):
+            raise CheckpointNotFoundError(f"{store.display()} is step {layout.parse_step_dir_name(store.root)}, not {step}")
+        return _load_step_dir(store, "")
+    steps = commit.committed_steps(store)
+    if steps:
+        chosen = steps[-1] if step is None else step
+        if chosen not in steps:
+            raise CheckpointNotFoundError(f"step {step} is not committed under {store.display()} (committed: {steps[-10:]})")
+        return _load_step_dir(store, layout.step_dir_name(chosen))
+    if any(layout.parse_step_dir_name(n) is not None for n in names):
+        raise IncompleteCheckpointError(f"{store.display()} holds step directories but none is committed")
+    return _load_physicsnemo_dir(store, names, step)
+
+
+def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
+    manifest = commit.read_committed_manifest(store, step_dir)
+    contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
+    if manifest.mode == "sharded":
+        from .distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
+
+        return assemble_full_values(manifest, contents)
+    return values_by_entry(manifest, contents)
+
+
+def _load_single_file(store: Store) -> Any:
+    name = store.root.rsplit("/", 1)[-1]
+    data = store.read_bytes("")
+    codec = "none"
+    if name.endswith(layout.ZSTD_SUFFIX):
+        name = name[: -len(layout.ZSTD_SUFFIX)]
+        codec = "zstd"
+    fmt = "mdlus" if name.endswith(".mdlus") else "pt"
+    return load_native(decode(codec, data, store.display()), fmt, store.display())
+
+
+def _load_physicsnemo_dir(store: Store, names: list[str], step: int | None) -> dict[str, Any]:
+    """PhysicsNeMo layout: pick ONE epoch for every file (PhysicsNeMo itself picks per file)."""
+    by_epoch: dict[int, list[tuple[str, str, str]]] = {}
+    for n in names:
+        m = _PN_FILE_RE.match(n)
+        if m:
+            by_epoch.setdefault(int(m.group("epoch")), []).append((n, m.group("stem"), m.group("ext")))
+    if not by_epoch:
+        raise CheckpointNotFoundError(
+            f"{store.display()} holds no checkpointd step directory and no PhysicsNeMo checkpoint files "
+            "({Name}.{rank}.{epoch}.pt|mdlus)"
+        )
+    epoch = max(by_epoch) if step is None else step
+    if epoch not in by_epoch:
+        raise CheckpointNotFoundError(f"{store.display()} has no files for epoch {step} (epochs: {sorted(by_epoch)[-10:]})")
+    out: dict[str, Any] = {}
+    for fname, stem, ext in sorted(by_epoch[epoch]):
+        content = load_native(store.read_bytes(fname), ext, store.display(fname))
+        if stem == layout.TRAINING_STATE_STEM and isinstance(content, dict):
+            out.update(content)
+        else:
+            out[stem] = content
+    if not out:
+        raise CorruptCheckpointError(f"{store.display()}: epoch {epoch} files are empty")
+    return out

@@ -1,0 +1,644 @@
+"""CheckpointManager: the public entry point. Orchestration only; each stage lives in its own module.
+
+A save, in order (``maybe_save`` on the training thread, then the background writer):
+
+1. ``policy.SaveSchedule``   is this step due?
+2. ``state.build_files``     state dicts -> one tree per file of SPEC §3, validated (bad state raises here)
+3. ``snapshot.Snapshotter``  tensors -> reused (pinned) CPU buffers; on CUDA queued on a side stream
+   --- ``maybe_save`` returns here; the rest runs on the committer thread (``writer.py``) ---
+4. ``serialize.plan_pt``     pickle each tree; ``serialize.write_pt`` -> ``compress`` -> ``checksum`` -> ``storage``
+5. ``commit``                manifest.json, then COMMITTED, written last
+6. ``policy.RetentionPolicy`` which committed steps to delete; uncommitted leftovers removed
+
+Restore goes ``commit.read_committed_manifest`` -> ``restore.read_step`` (verify, decode) -> ``restore.apply_entry``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from . import __version__, commit, layout, restore as restore_mod
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StepAlreadyExistsError,
+)
+from .manifest import EntryLocation, Manifest
+from .policy import RetentionPolicy, SaveSchedule
+from .rng import capture_rng, restore_rng
+from .serialize import plan_pt
+from .snapshot import Snapshotter, tensor_spec
+from .state import (
+    DeferredScalar,
+    FileContent,
+    build_entries,
+    build_files,
+    clean_metrics,
+    copy_tree,
+    resolve_deferred,
+    unwrap_module,
+)
+from .storage import Store
+from .writer import BackgroundWriter, FileJob, SaveJob
+
+logger = logging.getLogger("checkpointd")
+
+_VALID_MODES = ("full", "sharded")
+
+
+class _Slot:
+    """Placeholder for the i-th staged tensor inside a tree skeleton."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass
+class _Stats:
+    saves_started: int = 0
+    saves_committed: int = 0
+    saves_failed: int = 0
+    snapshot_secs_total: float = 0.0
+    snapshot_secs_last: float = 0.0
+    bytes_written_total: int = 0
+    raw_bytes_total: int = 0
+
+
+class CheckpointManager:
+    """Asynchronous checkpoints of ``state`` under ``root`` (SPEC §1).
+
+    The training thread calls :meth:`maybe_save` every step; it returns in milliseconds. Files are
+    written by background threads and committed with a marker written last. See the README for the
+    guarantees and for what ``wait_for_snapshot`` is for.
+
+    Args:
+        root: local path or fsspec URL.
+        state: name -> nn.Module | Optimizer | LRScheduler | GradScaler | object with
+            state_dict()/load_state_dict() | tensor | dict/list of plain data.
+        every_n_steps / every_n_seconds / at_steps: when ``maybe_save`` saves.
+        keep_last / keep_every_n_steps / keep_best / best_metric / best_mode: retention.
+        compression: None or a codec name ("zstd").
+        mode: "full" or "sharded" (matters only under torch.distributed).
+        storage_options: passed to fsspec.
+        max_pending: saves in flight before ``maybe_save`` waits for the oldest.
+        overwrite: allow re-saving a committed step (the old one is deleted first).
+        retry_timeout_secs: how long transient storage errors are retried before a save fails.
+        file_threads: files written in parallel per save.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        state: Mapping[str, Any],
+        *,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        at_steps: Iterable[int] = (),
+        keep_last: int | None = 3,
+        keep_every_n_steps: int | None = None,
+        keep_best: int = 0,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        compression: str | None = "zstd",
+        mode: str = "full",
+        storage_options: dict[str, Any] | None = None,
+        max_pending: int = 1,
+        overwrite: bool = False,
+        retry_timeout_secs: float = 120.0,
+        file_threads: int | None = None,
+    ) -> None:
+        if mode not in _VALID_MODES:
+            raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        if not (isinstance(retry_timeout_secs, (int, float)) and retry_timeout_secs >= 0):
+            raise ConfigError(f"retry_timeout_secs must be a number >= 0, got {retry_timeout_secs!r}")
+        self._schedule = SaveSchedule(every_n_steps=every_n_steps, every_n_seconds=every_n_seconds,
+                                      at_steps=frozenset(_as_steps(at_steps)))
+        self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+                                          keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
+        from .compress import get_codec
+
+        self._codec = get_codec(compression)
+        self._mode = mode
+        self._overwrite = bool(overwrite)
+        self._max_pending = max_pending
+        self._store = _open_store(root, storage_options, retry_timeout_secs)
+        self._entries = build_entries(state, _physicsnemo_detector())
+        self._closed = False
+        self._lock = threading.RLock()
+        self._pending: deque[SaveJob] = deque()
+        self._inflight_steps: set[int] = set()
+        self._committed: set[int] | None = None
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._stats = _Stats()
+        self._last_job: SaveJob | None = None
+        self._last_committed: int | None = None
+        self._snap = Snapshotter(max_arenas=max_pending)
+        self._writer = BackgroundWriter(self._store, self._codec,
+                                        file_threads=file_threads or min(8, max(2, (os.cpu_count() or 2))))
+        self._hooks: list[Any] = []
+        self._opt_state_sizes: dict[int, int] = {}
+        self._install_hooks()
+        self._prepare_buffers()
+
+    # ------------------------------------------------------------------------------------------
+    # saving
+    # ------------------------------------------------------------------------------------------
+    def maybe_save(self, step: int, *, metrics: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Start a save of ``step`` if it is due (or ``force``); returns True if one was started.
+
+        Called on the training thread. Blocks only to snapshot (CPU: copy; CUDA: queue copies) and,
+        when ``max_pending`` saves are already in flight, to wait for the oldest.
+
+        Raises:
+            StateError: registered state that cannot be saved (nothing is written).
+            StepAlreadyExistsError: ``step`` is committed and ``overwrite`` is False.
+            CheckpointWriteError: an earlier background save failed.
+        """
+        self._check_open()
+        self._raise_failures()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if not (force or self._schedule.is_due(step)):
+            return False
+        with self._lock:
+            if step in self._inflight_steps:
+                return False
+            already = step in self._committed_steps()
+        if already and not self._overwrite:
+            raise StepAlreadyExistsError(
+                f"step {step} is already committed at {self._store.display(layout.step_dir_name(step))}; "
+                "pass overwrite=True or resume from latest_step()"
+            )
+        t0 = time.perf_counter()
+        clean = clean_metrics(metrics)
+        files = build_files(self._entries, step, clean, capture_rng(), self._codec.suffix,
+                            mdlus_members=_mdlus_members())
+        # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
+        while len(self._pending) >= self._max_pending:
+            self._wait_job(self._pending[0], timeout=None)
+        self._raise_failures()
+        job = self._stage(step, files, clean)
+        self._stats.snapshot_secs_last = time.perf_counter() - t0
+        self._stats.snapshot_secs_total += self._stats.snapshot_secs_last
+        self._stats.saves_started += 1
+        with self._lock:
+            self._pending.append(job)
+            self._inflight_steps.add(step)
+        self._writer.submit(job)
+        self._schedule.mark_saved()
+        return True
+
+    def save(self, step: int, *, metrics: Mapping[str, Any] | None = None) -> None:
+        """``maybe_save(step, force=True)``."""
+        self.maybe_save(step, metrics=metrics, force=True)
+
+    def _stage(self, step: int, files: list[FileContent], metrics: dict[str, Any]) -> SaveJob:
+        """Snapshot every tensor of ``files`` and build the background job around the copies."""
+        tensors: list[torch.Tensor] = []
+        index: dict[tuple[Any, ...], int] = {}
+
+        def collect(t: torch.Tensor) -> _Slot:
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            if t.data_ptr() == 0 or key not in index:
+                index[key] = len(tensors)
+                tensors.append(t)
+            return _Slot(index[key])
+
+        skeletons = [copy_tree(f.tree, collect) for f in files]
+        order = self._buffers_first(tensors)
+        staged_in_order = self._snap.snapshot([tensors[i] for i in order],
+                                              n_buffer_tensors=sum(1 for i in order if self._is_buffer(tensors[i])))
+        staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        for pos, i in enumerate(order):
+            staged[i] = staged_in_order.staged[pos]
+        step_dir = layout.step_dir_name(step)
+        manifest = Manifest(step=step, time=time.time(), world_size=1, mode=self._mode, codec=self._codec.name,
+                            library_version=__version__, torch_version=torch.__version__, metrics=metrics,
+                            entries=self._entry_locations(files),
+                            extra={"rng_file": files[-1].rel_path})
+        job = SaveJob(step=step, step_dir=step_dir, files=[], manifest=manifest,
+                      before_write=lambda: None, after_files=lambda: self._snap.release(staged_in_order))
+
+        def before_write() -> None:
+            staged_in_order.copies.wait_host()
+            self._clear_step_dir(step_dir)
+            for f, skel in zip(files, skeletons):
+                tree = resolve_deferred(_fill_slots(skel, staged))
+                plan = plan_pt(tree)
+                dtypes = {key: holder_dtype for key, holder_dtype in _record_dtypes(tree, plan).items()}
+                job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=dtypes,
+                                         json_members=f.json_members))
+
+        job.before_write = before_write
+        job.after_commit = self._after_commit
+        return job
+
+    def _entry_locations(self, files: list[FileContent]) -> dict[str, EntryLocation]:
+        by_name = {e.name: e for e in self._entries}
+        out: dict[str, EntryLocation] = {}
+        for f in files:
+            for name in f.entry_names:
+                e = by_name[name]
+                out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=e.class_name)
+        return out
+
+    def _buffers_first(self, tensors: list[torch.Tensor]) -> list[int]:
+        first = [i for i, t in enumerate(tensors) if self._is_buffer(t)]
+        rest = [i for i, t in enumerate(tensors) if not self._is_buffer(t)]
+        return first + rest
+
+    def _is_buffer(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" and t.data_ptr() in self._buffer_ptrs()
+
+    def _buffer_ptrs(self) -> set[int]:
+        ptrs: set[int] = set()
+        for e in self._entries:
+            if e.kind == "module":
+                ptrs.update(b.data_ptr() for b in e.obj.buffers())
+        return ptrs
+
+    def _clear_step_dir(self, step_dir: str) -> None:
+        """Remove an uncommitted leftover (or, with overwrite=True, the old commit) before writing."""
+        if self._store.exists(step_dir) or self._store.list_dir(step_dir):
+            logger.info("checkpointd: removing previous contents of %s before saving", self._store.display(step_dir))
+            commit.uncommit_and_remove(self._store, step_dir)
+            with self._lock:
+                if self._committed is not None:
+                    self._committed.discard(layout.parse_step_dir_name(step_dir) or -1)
+
+    def _after_commit(self, job: SaveJob) -> None:
+        """On the committer thread: record the commit, then apply retention."""
+        with self._lock:
+            if self._committed is not None:
+                self._committed.add(job.step)
+            self._metrics[job.step] = dict(job.manifest.metrics)
+            self._last_committed = job.step if self._last_committed is None else max(self._last_committed, job.step)
+        try:
+            self._apply_retention(job.step)
+        except Exception as exc:  # noqa: BLE001 - retention failing must not fail a committed save
+            logger.warning("checkpointd: retention after step %d failed: %s", job.step, exc)
+
+    def _apply_retention(self, just_committed: int) -> None:
+        dirs = commit.list_step_dirs(self._store)
+        committed = commit.committed_steps(self._store)
+        with self._lock:
+            inflight = set(self._inflight_steps) - {just_committed}
+        metrics = self._metrics_for(committed) if self._retention.needs_metrics else None
+        keep = self._retention.steps_to_keep(committed, metrics)
+        for s in committed:
+            if s not in keep and s not in inflight and s != max(committed):
+                commit.uncommit_and_remove(self._store, dirs.get(s, layout.step_dir_name(s)))
+                with self._lock:
+                    if self._committed is not None:
+                        self._committed.discard(s)
+        committed_set = set(committed)
+        for s, name in dirs.items():
+            if s not in committed_set and s not in inflight and s < just_committed:
+                self._store.remove_tree(name)
+
+    def _metrics_for(self, steps: list[int]) -> dict[int, dict[str, Any]]:
+        out = {}
+        for s in steps:
+            if s not in self._metrics:
+                try:
+                    self._metrics[s] = commit.read_committed_manifest(self._store, layout.step_dir_name(s)).metrics
+                except CheckpointError as exc:
+                    logger.warning("checkpointd: cannot read metrics of step %d: %s", s, exc)
+                    self._metrics[s] = {}
+            out[s] = self._metrics[s]
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # waiting and failures
+    # ------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every started save is committed (retention applied); re-raise a background failure.
+
+        Raises:
+            CheckpointTimeoutError: ``timeout`` seconds passed first (also a TimeoutError).
+            CheckpointWriteError: a background save failed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                job = self._pending[0] if self._pending else None
+            if job is None:
+                break
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait_job(job, remaining)
+        self._raise_failures()
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the in-flight snapshot copies are in host memory.
+
+        Needed only on CUDA, before code other than the registered optimizers' ``step()`` and the
+        registered modules' forward writes registered tensors in place.
+        """
+        self._snap.wait_host()
+
+    def _wait_job(self, job: SaveJob, timeout: float | None) -> None:
+        try:
+            job.future.result(timeout=timeout)
+        except FutureTimeout as exc:
+            raise CheckpointTimeoutError(
+                f"the save of step {job.step} was still running after {timeout:.3g} s; call wait() again or raise the timeout"
+            ) from exc
+        except BaseException:  # noqa: BLE001 - handled by _reap
+            pass
+        self._reap()
+
+    def _reap(self) -> None:
+        """Move finished jobs out of the pending queue, recording failures."""
+        with self._lock:
+            while self._pending and self._pending[0].future.done():
+                job = self._pending.popleft()
+                self._inflight_steps.discard(job.step)
+                exc = job.future.exception()
+                if exc is None:
+                    self._stats.saves_committed += 1
+                    self._stats.bytes_written_total += job.written_bytes
+                    self._stats.raw_bytes_total += job.raw_bytes
+                    self._last_job = job
+                else:
+                    self._stats.saves_failed += 1
+                    self._failures.append((job, exc))
+
+    @property
+    def _failures(self) -> list[tuple[SaveJob, BaseException]]:
+        if not hasattr(self, "_failure_list"):
+            self._failure_list: list[tuple[SaveJob, BaseException]] = []
+        return self._failure_list
+
+    def _raise_failures(self) -> None:
+        self._reap()
+        with self._lock:
+            if not self._failures:
+                return
+            job, exc = self._failures.pop(0)
+        raise CheckpointWriteError(
+            f"background save of step {job.step} to {self._store.display(job.step_dir)} failed: "
+            f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact.",
+            step=job.step,
+        ) from exc
+
+    # ------------------------------------------------------------------------------------------
+    # restoring and listing
+    # ------------------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (marker present; no data read)."""
+        return commit.committed_steps(self._store)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore_latest(self) -> int | None:
+        """Restore the newest committed step that verifies, in place; None if the root has none.
+
+        A newest checkpoint that fails verification is skipped with a warning. If committed steps
+        exist but none verifies, raises CorruptCheckpointError (never silently restarts from scratch).
+        """
+        self._check_open()
+        self.wait()
+        steps = self.steps()
+        if not steps:
+            return None
+        failures: list[str] = []
+        for step in reversed(steps):
+            try:
+                self._restore_step(step)
+                return step
+            except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
+                warnings.warn(f"checkpointd: skipping step {step}, it does not verify: {exc}", RuntimeWarning, stacklevel=2)
+                logger.warning("checkpointd: skipping step %d: %s", step, exc)
+                failures.append(f"step {step}: {exc}")
+        raise CorruptCheckpointError(
+            f"{self._store.display()} holds {len(steps)} committed step(s) but none verifies: " + "; ".join(failures[:5])
+        )
+
+    def restore(self, step: int) -> None:
+        """Restore exactly ``step`` in place (verified first)."""
+        self._check_open()
+        self.wait()
+        if not commit.is_committed(self._store, layout.step_dir_name(step)):
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed under {self._store.display()} (committed: {self.steps()[-10:]})"
+            )
+        self._restore_step(step)
+
+    def _restore_step(self, step: int) -> None:
+        step_dir = layout.step_dir_name(step)
+        manifest = commit.read_committed_manifest(self._store, step_dir)
+        contents = restore_mod.read_step(self._store, step_dir, manifest)
+        values = restore_mod.values_by_entry(manifest, contents)
+        restore_mod.check_compatible(self._entries, values, step)
+        for e in self._entries:
+            restore_mod.apply_entry(e, values[e.name])
+        rng = restore_mod.rng_of(manifest, contents)
+        if rng is not None:
+            restore_rng(rng)
+        self._schedule.mark_saved()
+
+    # ------------------------------------------------------------------------------------------
+    # stats, lifecycle
+    # ------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per-phase seconds of the last committed save, totals, bytes and compression ratio."""
+        self._reap()
+        s = self._stats
+        last = self._last_job
+        out: dict[str, Any] = {
+            "saves_started": s.saves_started,
+            "saves_committed": s.saves_committed,
+            "saves_failed": s.saves_failed,
+            "saves_pending": len(self._pending),
+            "last_committed_step": self._last_committed,
+            "snapshot_secs_last": s.snapshot_secs_last,
+            "snapshot_secs_total": s.snapshot_secs_total,
+            "bytes_written_total": s.bytes_written_total,
+            "raw_bytes_total": s.raw_bytes_total,
+            "compression_ratio": (s.raw_bytes_total / s.bytes_written_total) if s.bytes_written_total else None,
+            "codec": self._codec.name,
+            "pinned_bytes": self._snap.pinned_bytes,
+            "staging_allocations": self._snap.arena_allocations,
+        }
+        if last is not None:
+            out["last_save"] = {"step": last.step, **last.timings, "bytes_written": last.written_bytes,
+                                "raw_bytes": last.raw_bytes}
+        return out
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for every started save, then release threads, hooks and buffers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            if not self._pending:
+                self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._writer.close()
+        self._snap.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # don't mask the user's exception with a checkpoint error
+            try:
+                self.close()
+            except CheckpointError as exc:
+                logger.error("checkpointd: error while closing after another exception: %s", exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed; create a new one")
+
+    def _committed_steps(self) -> set[int]:
+        if self._committed is None:
+            self._committed = set(commit.committed_steps(self._store))
+        return self._committed
+
+    # ------------------------------------------------------------------------------------------
+    # hooks and buffer preparation
+    # ------------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        cuda = torch.cuda.is_available()
+        for e in self._entries:
+            if e.kind == "optimizer":
+                if cuda:
+                    self._hooks.append(e.obj.register_step_pre_hook(lambda *_: self._snap.wait_for_all()))
+                self._hooks.append(e.obj.register_step_post_hook(self._on_optimizer_step))
+            elif e.kind == "module" and cuda:
+                self._hooks.append(e.obj.register_forward_pre_hook(lambda *_: self._snap.wait_for_buffers()))
+
+    def _on_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        """After a step that created optimizer state (the first), prepare staging buffers for it."""
+        size = len(optimizer.state)
+        if self._opt_state_sizes.get(id(optimizer)) != size:
+            self._opt_state_sizes[id(optimizer)] = size
+            self._prepare_buffers()
+
+    def _prepare_buffers(self) -> None:
+        """Allocate (and pin) staging buffers for the current state layout, in the background."""
+        if self._closed:
+            return
+        try:
+            files = build_files(self._entries, 0, {}, capture_rng(), self._codec.suffix)
+        except CheckpointError:
+            return  # bad state is reported by maybe_save, where the user expects it
+        specs: list[Any] = []
+        seen: set[tuple[Any, ...]] = set()
+
+        def collect(t: torch.Tensor) -> None:
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            if t.data_ptr() == 0 or key not in seen:
+                seen.add(key)
+                specs.append(t)
+
+        for f in files:
+            copy_tree(f.tree, collect)
+        order = self._buffers_first(specs)
+        self._snap.prepare_async([tensor_spec(specs[i]) for i in order])
+
+
+def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return staged[obj.index]
+    if isinstance(obj, DeferredScalar):
+        return DeferredScalar(_fill_slots(obj.tensor, staged), obj.as_type)
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill_slots(v, staged)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_fill_slots(v, staged) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(_fill_slots(v, staged) for v in obj)
+    return obj
+
+
+def _record_dtypes(tree: Any, plan: Any) -> dict[str, torch.dtype]:
+    """Element dtype of each storage record (for the codec's float-aware choice)."""
+    by_storage = {}
+    for key, holder in plan.storages:
+        by_storage[holder.untyped_storage()._cdata] = key
+    out: dict[str, torch.dtype] = {}
+
+    def visit(t: torch.Tensor) -> None:
+        key = by_storage.get(t.untyped_storage()._cdata)
+        if key is not None:
+            out[key] = t.dtype
+
+    copy_tree(tree, visit)
+    return out
+
+
+def _as_steps(at_steps: Iterable[int]) -> list[int]:
+    try:
+        return [int(s) if not isinstance(s, bool) else -1 for s in at_steps]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"at_steps must be an iterable of ints, got {at_steps!r}") from exc
+
+
+def _open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_secs: float) -> Store:
+    if not isinstance(root, (str, os.PathLike)):
+        raise ConfigError(f"root must be a path or URL string, got {type(root).__name__}")
+    try:
+        from .retry import RetryPolicy
+
+        store = Store(root, storage_options, retry=RetryPolicy(max_elapsed_secs=retry_timeout_secs))
+    except ImportError:
+        store = Store(root, storage_options)
+    except TypeError:
+        store = Store(root, storage_options)
+    if store.is_file(""):
+        raise ConfigError(f"checkpoint root {store.display()} is a file; pass a directory (or a URL prefix)")
+    return store
+
+
+def _physicsnemo_detector() -> Any:
+    try:
+        from .mdlus import is_physicsnemo_module
+
+        return is_physicsnemo_module
+    except ImportError:
+        return None
+
+
+def _mdlus_members() -> Any:
+    try:
+        from .mdlus import mdlus_json_members
+
+        return mdlus_json_members
+    except ImportError:
+        return None
+
+
+__all__ = ["CheckpointManager", "math", "unwrap_module", "Future"]

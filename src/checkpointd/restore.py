@@ -1,0 +1,187 @@
+"""Restore: committed step -> manifest -> verified reads -> decoded trees -> loaded in place.
+
+Every file of a step is read and verified (size and checksum against the manifest) and decoded
+*before* anything touches the live objects, so a damaged checkpoint never half-restores a run.
+Loading never unpickles code: native files go through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+
+from . import layout
+from .checksum import ChecksumReader
+from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
+from .manifest import FileEntry, Manifest
+from .state import RNG_KEY, Entry, unwrap_module
+from .storage import Store
+
+logger = logging.getLogger("checkpointd")
+
+
+def read_verified(store: Store, step_dir: str, entry: FileEntry) -> bytes:
+    """The stored bytes of one file, checked against its manifest entry."""
+    rel = layout.join(step_dir, entry.path)
+    where = store.display(rel)
+    try:
+        data = store.read_bytes(rel)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
+    if len(data) != entry.size:
+        raise CorruptCheckpointError(f"{where} has {len(data)} bytes, the manifest says {entry.size}: truncated or altered")
+    reader = ChecksumReader()
+    reader.update(data)
+    if reader.checksum != entry.checksum:
+        raise CorruptCheckpointError(f"{where} fails its checksum ({reader.checksum} != {entry.checksum}): the file is damaged")
+    return data
+
+
+def decode(codec_name: str, data: bytes, where: str) -> bytes:
+    if codec_name in ("none", "", None):
+        return data
+    from .compress import decode_bytes
+
+    try:
+        return decode_bytes(codec_name, data)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{where} could not be decompressed with codec {codec_name!r}: {exc}") from exc
+
+
+def load_native(data: bytes | io.BufferedIOBase, fmt: str, where: str) -> Any:
+    """A native ``.pt`` or ``.mdlus`` file's content, with CPU tensors and no code execution."""
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    if fmt == "mdlus":
+        from .mdlus import load_mdlus_state_dict
+
+        return load_mdlus_state_dict(stream)
+    return safe_torch_load(stream, where)
+
+
+def safe_torch_load(stream: Any, where: str) -> Any:
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where} holds a pickle that references code outside the weights-only allow-list; it was not run. "
+            f"Load it only if you trust its source. ({exc})"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable .pt file: {exc}") from exc
+
+
+def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None = 0, threads: int = 4) -> dict[str, Any]:
+    """``{relative file path: decoded content}`` for the files of ``rank`` (all ranks if None)."""
+    files = [f for f in manifest.files if rank is None or f.rank == rank]
+
+    def one(entry: FileEntry) -> tuple[str, Any]:
+        where = store.display(layout.join(step_dir, entry.path))
+        data = read_verified(store, step_dir, entry)
+        return entry.path, load_native(decode(entry.codec, data, where), entry.format, where)
+
+    if len(files) <= 1:
+        return dict(one(f) for f in files)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files))), thread_name_prefix="checkpointd-read") as pool:
+        return dict(pool.map(one, files))
+
+
+def values_by_entry(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str, Any]:
+    """``{state name: stored value}`` from decoded files, following the manifest's entry map."""
+    out: dict[str, Any] = {}
+    for name, loc in manifest.entries.items():
+        content = contents.get(loc.file)
+        if content is None:
+            raise CorruptCheckpointError(f"step {manifest.step}: entry {name!r} points to file {loc.file!r}, which was not read")
+        if loc.key is None:
+            out[name] = content
+        else:
+            if not isinstance(content, dict) or loc.key not in content:
+                raise CorruptCheckpointError(f"step {manifest.step}: {loc.file} has no key {loc.key!r} for entry {name!r}")
+            out[name] = content[loc.key]
+    return out
+
+
+def rng_of(manifest: Manifest, contents: Mapping[str, Any]) -> Any:
+    rng_file = manifest.extra.get("rng_file")
+    if rng_file and isinstance(contents.get(rng_file), dict):
+        return contents[rng_file].get(RNG_KEY)
+    return None
+
+
+# -- applying to live objects ----------------------------------------------------------------------
+def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int) -> None:
+    """Refuse before touching anything when the live state cannot take the stored values."""
+    for e in entries:
+        if e.name not in values:
+            raise StateMismatchError(
+                f"checkpoint step {step} has no entry {e.name!r} (it holds {sorted(values)}); "
+                "register the same state names that were saved"
+            )
+        v = values[e.name]
+        if e.kind == "module":
+            live = unwrap_module(e.obj).state_dict()
+            missing = sorted(set(live) - set(v))
+            extra = sorted(set(v) - set(live))
+            if missing or extra:
+                raise StateMismatchError(
+                    f"state[{e.name!r}] ({type(e.obj).__name__}) does not match step {step}: "
+                    f"missing keys {missing[:5]}, unexpected keys {extra[:5]}"
+                )
+            for k, t in live.items():
+                if isinstance(t, torch.Tensor) and isinstance(v[k], torch.Tensor) and t.shape != v[k].shape:
+                    raise StateMismatchError(
+                        f"state[{e.name!r}] key {k!r}: live shape {tuple(t.shape)}, saved {tuple(v[k].shape)} at step {step}"
+                    )
+        elif e.kind == "tensor":
+            if not isinstance(v, torch.Tensor) or v.shape != e.obj.shape:
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise StateMismatchError(f"state[{e.name!r}]: live tensor shape {tuple(e.obj.shape)}, saved {got} at step {step}")
+        elif e.kind == "data":
+            if type(v) is not type(e.obj) and not (isinstance(v, dict) and isinstance(e.obj, dict)):
+                raise StateMismatchError(f"state[{e.name!r}]: live {type(e.obj).__name__}, saved {type(v).__name__} at step {step}")
+
+
+def apply_entry(e: Entry, value: Any) -> None:
+    """Load one stored value into its live object, in place."""
+    if e.kind == "module":
+        unwrap_module(e.obj).load_state_dict(value, strict=True)
+    elif e.kind == "optimizer":
+        e.obj.load_state_dict(value)
+        match_optimizer_state_layout(e.obj)
+    elif e.kind in ("scheduler", "scaler", "stateful"):
+        e.obj.load_state_dict(value)
+    elif e.kind == "tensor":
+        with torch.no_grad():
+            e.obj.copy_(value)
+    elif e.kind == "data":
+        if isinstance(e.obj, dict):
+            e.obj.clear()
+            e.obj.update(value)
+        else:
+            e.obj[:] = value
+
+
+def match_optimizer_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give every per-parameter state tensor its parameter's strides (channels_last stays channels_last).
+
+    ``Optimizer.load_state_dict`` keeps whatever layout the stored tensor had; fused Adam computes
+    wrong moments when a channels_last parameter gets contiguous state.
+    """
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p)
+                if not st:
+                    continue
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape and v.stride() != p.stride():
+                        fixed = torch.empty_like(p, dtype=v.dtype, device=v.device)
+                        fixed.copy_(v)
+                        st[k] = fixed

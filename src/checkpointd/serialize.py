@@ -1,0 +1,170 @@
+"""Serialize: a state tree -> a ``.pt`` file that ``torch.load(weights_only=True)`` reads.
+
+Why not ``torch.save``: it runs single-threaded under the GIL on the training process, writes a view's
+whole storage, and cannot stream a record through our codec and checksum without copying it into a
+Python ``bytes``. This module produces the same zip container (``data.pkl``, ``byteorder``,
+``data/<key>``, ``version``) in two steps:
+
+1. :func:`plan_pt` pickles the object tree (small; tensors become persistent references, exactly as
+   ``torch.save`` does), so every record and its size is known before any byte is written;
+2. :func:`write_pt` streams the records into a sink, passing tensor bytes as zero-copy memoryviews
+   together with their dtype, so a codec can pick a float-aware transform per tensor.
+
+The pickle only references what PyTorch's weights-only unpickler allows (``_rebuild_tensor_v2``,
+storage types, plain containers), so the files load safely everywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Protocol
+
+import torch
+
+ARCHIVE_DIR = "archive"
+"""Top-level folder inside the zip; ``torch.load`` accepts any single name."""
+
+
+class Sink(Protocol):
+    """Where a serialized file goes: a codec/checksum stream or a plain file."""
+
+    def write(self, data: Any, /) -> int: ...
+
+
+class DtypeHintSink(Sink, Protocol):
+    dtype_hint: torch.dtype | None
+
+
+@dataclass
+class PtPlan:
+    """Everything needed to write one ``.pt`` file; cheap to build, holds no copy of tensor bytes."""
+
+    pickle_bytes: bytes
+    storages: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """(record key, tensor whose storage is the record) in record order."""
+
+    @property
+    def data_nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for _, t in self.storages)
+
+
+def plan_pt(obj: Any) -> PtPlan:
+    """Pickle ``obj`` the way ``torch.save`` does; tensors must be on the CPU.
+
+    Each distinct storage becomes one record holding the storage's bytes, so callers pass tensors that
+    own exactly their bytes (the snapshot stage guarantees this), never views into a larger buffer.
+    """
+    storages: dict[int, tuple[str, torch.Tensor]] = {}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, torch.storage.TypedStorage):
+                untyped = o._untyped_storage
+                storage_type = getattr(torch, o._pickle_storage_type())
+                numel = o._size()
+            elif isinstance(o, torch.UntypedStorage):
+                untyped = o
+                storage_type = torch.UntypedStorage
+                numel = o.nbytes()
+            else:
+                return None
+            if untyped.device.type != "cpu":
+                raise ValueError(f"serialize: storage on {untyped.device} reached the writer; stage it to CPU first")
+            key_entry = storages.get(untyped._cdata)
+            if key_entry is None:
+                key = str(len(storages))
+                holder = torch.empty(0, dtype=torch.uint8).set_(untyped)
+                storages[untyped._cdata] = (key, holder)
+            else:
+                key = key_entry[0]
+            return ("storage", storage_type, key, "cpu", numel)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()))
+
+
+def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = None) -> None:
+    """Write the zip container of ``plan`` into ``sink`` (stored members, data descriptors).
+
+    ``sink`` must not be seekable (or not claim to be), so the zip writer streams with data
+    descriptors instead of seeking back; CRC-32 of each record is computed as it streams.
+    Args:
+        dtypes: optional element dtype per record key, set on ``sink.dtype_hint`` while that record's
+            bytes pass (a codec uses it to pick a float-aware transform).
+    """
+    stream = _Unseekable(sink)
+    with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        _put(zf, "data.pkl", plan.pickle_bytes)
+        _put(zf, ".format_version", b"1")
+        _put(zf, ".storage_alignment", b"64")
+        _put(zf, "byteorder", sys.byteorder.encode())
+        for key, holder in plan.storages:
+            nbytes = holder.untyped_storage().nbytes()
+            info = zipfile.ZipInfo(f"{ARCHIVE_DIR}/data/{key}", date_time=(1980, 1, 1, 0, 0, 0))
+            info.file_size = nbytes
+            with zf.open(info, "w", force_zip64=nbytes >= 0xFFFF0000) as member:
+                if nbytes:
+                    if hasattr(sink, "dtype_hint"):
+                        sink.dtype_hint = (dtypes or {}).get(key)  # type: ignore[attr-defined]
+                    try:
+                        member.write(storage_view(holder))
+                    finally:
+                        if hasattr(sink, "dtype_hint"):
+                            sink.dtype_hint = None  # type: ignore[attr-defined]
+        _put(zf, "version", b"3\n")
+
+
+def storage_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a CPU tensor's whole storage."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return memoryview(b"")
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_bytes_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a CPU tensor's own span of memory (dense tensors only)."""
+    flat = t.detach().reshape(-1) if t.is_contiguous() else None
+    if flat is None:
+        raise ValueError("tensor_bytes_view needs a contiguous tensor")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+
+
+def pt_nbytes_estimate(plan: PtPlan) -> int:
+    return len(plan.pickle_bytes) + plan.data_nbytes
+
+
+def _put(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
+    info = zipfile.ZipInfo(f"{ARCHIVE_DIR}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+    zf.writestr(info, data)
+
+
+class _Unseekable(io.RawIOBase):
+    """Presents a sink to ``zipfile`` as a write-only, unseekable stream."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data)
+        self._sink.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+__all__ = ["PtPlan", "plan_pt", "write_pt", "storage_view", "OrderedDict"]

@@ -1,0 +1,193 @@
+"""Background pipeline: serialize -> compress -> store every file, then manifest, then the commit marker.
+
+One save is one :class:`SaveJob`. A single committer thread takes jobs in order (so commits happen in
+step order), fans the job's files out to a thread pool (files are written in parallel; each file is
+one stream: ``write_pt`` -> codec encoder -> checksum -> storage file), and only when every file is
+durable writes ``manifest.json`` and then ``COMMITTED``. A failure at any point leaves the step
+uncommitted; it is recorded on the job and re-raised on the training thread by the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import commit, layout
+from .checksum import ChecksumWriter
+from .manifest import FileEntry, Manifest
+from .serialize import PtPlan, write_pt
+from .storage import Store
+
+logger = logging.getLogger("checkpointd")
+
+
+@dataclass
+class FileJob:
+    """One file of a save: its plan (pickle + staged tensor storages) and format."""
+
+    rel_path: str
+    format: str
+    plan: PtPlan
+    dtypes: dict[str, Any]
+    json_members: dict[str, bytes] | None = None
+    rank: int = 0
+
+
+@dataclass
+class SaveJob:
+    step: int
+    step_dir: str
+    files: list[FileJob]
+    manifest: Manifest
+    before_write: Callable[[], None]
+    """Runs first on the committer thread: waits for the snapshot copies, finishes deferred values."""
+    after_files: Callable[[], None]
+    """Runs once every file is written (success or not): frees the staging buffers."""
+    commit_hook: Callable[[SaveJob], None] | None = None
+    """Replaces the local commit (distributed runs coordinate it)."""
+    after_commit: Callable[[SaveJob], None] | None = None
+    future: Future = field(default_factory=Future)
+    timings: dict[str, float] = field(default_factory=dict)
+    written_bytes: int = 0
+    raw_bytes: int = 0
+
+
+class BackgroundWriter:
+    """Owns the committer thread and the file-writing pool."""
+
+    def __init__(self, store: Store, codec: Any, file_threads: int = 4, retry: Any = None) -> None:
+        self.store = store
+        self.codec = codec
+        self.retry = retry if retry is not None else getattr(store, "retry", None)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, file_threads), thread_name_prefix="checkpointd-file")
+        self._queue: list[SaveJob] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="checkpointd-committer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> Future:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("writer is closed")
+            self._queue.append(job)
+            self._cv.notify()
+        return job.future
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.pop(0)
+            try:
+                self._process(job)
+                job.future.set_result(job)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
+                job.future.set_exception(exc)
+
+    def _process(self, job: SaveJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.before_write()
+            t1 = time.perf_counter()
+            job.timings["stage_wait_secs"] = t1 - t0
+            futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
+            entries = [f.result() for f in futures]  # re-raises the first failure
+        finally:
+            job.after_files()
+        t2 = time.perf_counter()
+        job.timings["write_secs"] = t2 - t1
+        job.manifest.files = entries
+        job.written_bytes = sum(e.size for e in entries)
+        job.raw_bytes = sum(e.raw_size or 0 for e in entries)
+        if job.commit_hook is not None:
+            job.commit_hook(job)
+        else:
+            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, job.manifest)
+        t3 = time.perf_counter()
+        job.timings["commit_secs"] = t3 - t2
+        if job.after_commit is not None:
+            job.after_commit(job)
+        job.timings["retention_secs"] = time.perf_counter() - t3
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.retry is not None:
+            return self.retry.call(fn, *args, describe=getattr(fn, "__name__", "storage call"))
+        return fn(*args)
+
+    def _write_file_with_retry(self, step_dir: str, fjob: FileJob) -> FileEntry:
+        return self._call(write_one_file, self.store, self.codec, step_dir, fjob)
+
+
+class _CountingSink:
+    """Counts native bytes passing to the encoder and forwards the dtype hint."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.nbytes = 0
+
+    @property
+    def dtype_hint(self) -> Any:
+        return getattr(self.inner, "dtype_hint", None)
+
+    @dtype_hint.setter
+    def dtype_hint(self, value: Any) -> None:
+        if hasattr(self.inner, "dtype_hint"):
+            self.inner.dtype_hint = value
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.nbytes += n
+        self.inner.write(data)
+        return n
+
+
+def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob) -> FileEntry:
+    """Stream one file to storage; returns its manifest entry. Runs on a pool thread.
+
+    A failed attempt discards the partial object (never visible as complete on object stores; an
+    uncommitted partial local file is removed by retention or the next attempt).
+    """
+    rel = layout.join(step_dir, fjob.rel_path)
+    raw = store.open_write(rel)
+    try:
+        checked = ChecksumWriter(raw)
+        encoder = codec.encoder(checked)
+        counting = _CountingSink(encoder)
+        if fjob.format == "mdlus":
+            from .mdlus import write_mdlus
+
+            write_mdlus(counting, fjob.json_members or {}, fjob.plan, fjob.dtypes)
+        else:
+            write_pt(fjob.plan, counting, fjob.dtypes)
+        encoder.close()
+        raw.close()
+    except BaseException:
+        _discard(raw)
+        raise
+    return FileEntry(path=fjob.rel_path, size=checked.nbytes, checksum=checked.checksum, codec=codec.name,
+                     format=fjob.format, rank=fjob.rank, raw_size=counting.nbytes)
+
+
+def _discard(raw: Any) -> None:
+    try:
+        if hasattr(raw, "discard"):
+            raw.discard()
+        else:
+            raw.close()
+    except Exception:  # noqa: BLE001 - best effort; the step stays uncommitted either way
+        pass

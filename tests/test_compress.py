@@ -1,0 +1,237 @@
+"""Codecs: bit-exact round trips, zstd CLI interop, planes ratio, seeking, corruption, config errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from checkpointd import serialize
+from checkpointd.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec
+from checkpointd.errors import ConfigError, CorruptCheckpointError
+
+SMALL_CHUNK = 64 << 10
+ZSTD_CLI = shutil.which("zstd") or ("/usr/bin/zstd" if os.path.exists("/usr/bin/zstd") else None)
+ALL_DTYPES = [
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint8, torch.int8, torch.uint16, torch.int16,
+    torch.int32, torch.int64, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128,
+]  # fmt: skip
+
+
+def codecs() -> list:
+    return [NoCodec(), ZstdCodec(chunk_bytes=SMALL_CHUNK), ZstdPlanesCodec(chunk_bytes=SMALL_CHUNK)]
+
+
+def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs, denormals, bool bytes > 1 included): the codec must not care."""
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = numel * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)
+
+
+def weights(dtype: torch.dtype, numel: int = 1 << 18, seed: int = 0) -> torch.Tensor:
+    """Trained-looking weights: small Gaussians."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(numel, generator=gen) * 0.02).to(dtype)
+
+
+def as_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def encode(codec, records: list[tuple[bytes | memoryview, torch.dtype | None]]) -> tuple[bytes, bytes]:
+    """Feed records the way the serializer does (hint set only around tensor bytes); (encoded, native)."""
+    out = io.BytesIO()
+    encoder = codec.encoder(out)
+    native = bytearray()
+    for data, dtype in records:
+        encoder.dtype_hint = dtype
+        assert encoder.write(data) == memoryview(data).nbytes
+        encoder.dtype_hint = None
+        native += data
+    encoder.close()
+    return out.getvalue(), bytes(native)
+
+
+def decode(codec, data: bytes) -> bytes:
+    with codec.open_decoded(io.BytesIO(data)) as stream:
+        return stream.read()
+
+
+def serializer_pattern(tensors: list[torch.Tensor]) -> list[tuple[bytes | memoryview, torch.dtype | None]]:
+    """Small metadata writes between tensor records, like the zip writer's headers."""
+    records: list[tuple[bytes | memoryview, torch.dtype | None]] = [(b"PK\x03\x04header" * 3, None)]
+    for i, t in enumerate(tensors):
+        records += [(f"local header {i}".encode(), None), (as_view(t), t.dtype), (b"descriptor", None)]
+    return records + [(b"central directory" * 10, None)]
+
+
+@pytest.mark.parametrize("codec", codecs(), ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_round_trip_every_dtype(codec, dtype: torch.dtype) -> None:
+    tensors = [random_tensor(dtype, n, seed=n) for n in (0, 1, 3, 1000, 40_000)]
+    tensors.append(weights(dtype, 50_000) if dtype.is_floating_point and dtype.itemsize > 1 else tensors[-1])
+    encoded, native = encode(codec, serializer_pattern(tensors))
+    assert decode(codec, encoded) == native
+
+
+@pytest.mark.parametrize("codec", codecs()[1:], ids=lambda c: c.name)
+@pytest.mark.parametrize("nbytes", [0, 1, SMALL_CHUNK - 1, SMALL_CHUNK, SMALL_CHUNK + 1, 3 * SMALL_CHUNK + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64], ids=str)
+def test_sizes_straddling_chunks_and_partial_elements(codec, nbytes: int, dtype: torch.dtype) -> None:
+    """Record lengths that are not multiples of the element size still round-trip (tail stored raw)."""
+    data = as_view(weights(torch.float32, nbytes // 4 + 1))[:nbytes]
+    encoded, native = encode(codec, [(b"meta", None), (data, dtype), (b"more", None)])
+    assert decode(codec, encoded) == native
+
+
+@pytest.mark.parametrize("codec", codecs()[1:], ids=lambda c: c.name)
+def test_empty_stream(codec) -> None:
+    encoded, native = encode(codec, [])
+    assert decode(codec, encoded) == native == b""
+
+
+@pytest.mark.parametrize("codec", codecs(), ids=lambda c: c.name)
+def test_real_serializer_output_loads_with_torch(codec) -> None:
+    state = {
+        "w32": weights(torch.float32, 70_000),
+        "wbf16": weights(torch.bfloat16, 90_000),
+        "f8": random_tensor(torch.float8_e4m3fn, 5000),
+        "mask": torch.rand(1000) > 0.5,
+        "c64": torch.randn(300, dtype=torch.complex64),
+        "steps": torch.arange(10, dtype=torch.int64),
+        "empty": torch.empty(0),
+        "meta": {"epoch": 3, "name": "x"},
+    }
+    plan = serialize.plan_pt(state)
+    dtypes = {key: holder.dtype for key, holder in plan.storages}
+    out = io.BytesIO()
+    encoder = codec.encoder(out)
+    serialize.write_pt(plan, encoder, dtypes=dtypes)
+    encoder.close()
+    loaded = torch.load(io.BytesIO(decode(codec, out.getvalue())), weights_only=True)
+    assert loaded["meta"] == state["meta"]
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[key].dtype == value.dtype
+            assert torch.equal(loaded[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("codec", [ZstdCodec(chunk_bytes=SMALL_CHUNK), ZstdPlanesCodec(chunk_bytes=SMALL_CHUNK)])
+def test_torch_load_straight_from_decoded_stream(codec) -> None:
+    """torch.load seeks around inside the stream; the index serves it without decoding to bytes first."""
+    state = {"a": weights(torch.float32, 100_000), "b": torch.arange(50_000)}
+    plan = serialize.plan_pt(state)
+    out = io.BytesIO()
+    encoder = codec.encoder(out)
+    serialize.write_pt(plan, encoder, dtypes={k: h.dtype for k, h in plan.storages})
+    encoder.close()
+    with codec.open_decoded(io.BytesIO(out.getvalue())) as stream:
+        loaded = torch.load(stream, weights_only=True)
+    assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+
+
+@pytest.mark.skipif(ZSTD_CLI is None, reason="zstd command line not installed")
+def test_zstd_cli_decodes_zstd_codec_to_native_bytes(tmp_path) -> None:
+    records = serializer_pattern([weights(torch.float32, 100_000), random_tensor(torch.int64, 20_000)])
+    encoded, native = encode(ZstdCodec(chunk_bytes=SMALL_CHUNK), records)
+    path = tmp_path / "x.pt.zst"
+    path.write_bytes(encoded)
+    result = subprocess.run([ZSTD_CLI, "-d", "-c", str(path)], capture_output=True, check=True)
+    assert result.stdout == native
+
+
+@pytest.mark.skipif(ZSTD_CLI is None, reason="zstd command line not installed")
+def test_zstd_cli_on_planes_file_fails_loudly(tmp_path) -> None:
+    """Never plausible wrong bytes: an error, or output that is not the file and does not load."""
+    plan = serialize.plan_pt({"w": weights(torch.bfloat16, 200_000)})
+    out = io.BytesIO()
+    encoder = ZstdPlanesCodec(chunk_bytes=SMALL_CHUNK).encoder(out)
+    serialize.write_pt(plan, encoder, dtypes={k: h.dtype for k, h in plan.storages})
+    encoder.close()
+    path = tmp_path / "x.pt.zst"
+    path.write_bytes(out.getvalue())
+    result = subprocess.run([ZSTD_CLI, "-d", "-c", str(path)], capture_output=True)
+    native = decode(ZstdPlanesCodec(), out.getvalue())
+    assert result.returncode != 0 or result.stdout != native
+    if result.returncode == 0:
+        assert b"checkpointd export" in result.stdout
+        with pytest.raises(Exception):
+            torch.load(io.BytesIO(result.stdout), weights_only=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_planes_beat_plain_zstd_on_trained_weights(dtype: torch.dtype) -> None:
+    data = as_view(weights(dtype, 1 << 19))
+    plain, native = encode(ZstdCodec(), [(data, dtype)])
+    planes, _ = encode(ZstdPlanesCodec(), [(data, dtype)])
+    ratio_plain, ratio_planes = len(native) / len(plain), len(native) / len(planes)
+    assert ratio_planes > ratio_plain
+    assert ratio_planes > (1.45 if dtype == torch.bfloat16 else 1.18)
+
+
+def test_planes_store_incompressible_chunks_raw() -> None:
+    data = as_view(random_tensor(torch.float32, 1 << 16))
+    encoded, native = encode(ZstdPlanesCodec(chunk_bytes=SMALL_CHUNK), [(data, torch.float32)])
+    assert len(encoded) < len(native) * 1.01
+    assert decode(ZstdPlanesCodec(), encoded) == native
+
+
+@pytest.mark.parametrize("codec", codecs()[1:], ids=lambda c: c.name)
+def test_seek_decodes_only_the_chunks_it_needs(codec, monkeypatch) -> None:
+    records = serializer_pattern([weights(torch.float32, 400_000), weights(torch.bfloat16, 300_000)])
+    encoded, native = encode(codec, records)
+    decoded_chunks = []
+    original = codec._decode
+    monkeypatch.setattr(codec, "_decode", lambda frame, n: decoded_chunks.append(n) or original(frame, n))
+    with codec.open_decoded(io.BytesIO(encoded)) as stream:
+        start = len(native) // 2 + 12_345
+        assert stream.seek(start) == start and stream.tell() == start
+        assert stream.read(100_000) == native[start : start + 100_000]
+        assert len(decoded_chunks) <= 3  # 100 KB spans at most 3 chunks of 64 KiB; the file has ~40
+        assert stream.seek(-10, io.SEEK_END) == len(native) - 10
+        assert stream.read() == native[-10:]
+        assert stream.read(5) == b""
+
+
+@pytest.mark.parametrize("codec", codecs()[1:], ids=lambda c: c.name)
+@pytest.mark.parametrize("damage", ["truncate", "truncate-index", "flip-data", "flip-index", "garbage"])
+def test_damaged_input_raises_corrupt(codec, damage: str) -> None:
+    encoded, _ = encode(codec, serializer_pattern([weights(torch.bfloat16, 200_000)]))
+    broken = bytearray(encoded)
+    if damage == "truncate":
+        broken = broken[: len(broken) // 2]
+    elif damage == "truncate-index":
+        broken = broken[:-3]
+    elif damage == "flip-data":
+        broken[len(broken) // 3] ^= 0x40
+    elif damage == "flip-index":
+        broken[-20] ^= 0x01
+    else:
+        broken = bytearray(b"not a checkpoint at all" * 10)
+    with pytest.raises(CorruptCheckpointError, match="corrupt"):
+        decode(codec, bytes(broken))
+
+
+def test_zero_length_and_unknown_codec_names() -> None:
+    assert get_codec(None).name == get_codec("none").name == "none"
+    assert get_codec("zstd").suffix == get_codec("zstd-planes").suffix == ".zst"
+    assert get_codec("zstd", level=3).level == 3
+    with pytest.raises(ConfigError, match="'zstd-planes'"):
+        get_codec("lz4")
+    with pytest.raises(ConfigError, match="level"):
+        ZstdCodec(level=99)
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        ZstdCodec(chunk_bytes=10)
+
+
+def test_decode_bytes_convenience() -> None:
+    encoded, native = encode(ZstdPlanesCodec(), serializer_pattern([weights(torch.float16, 10_000)]))
+    assert decode_bytes("zstd-planes", encoded) == native
+    assert decode_bytes("none", native) == native
