@@ -286,6 +286,7 @@ def make_manager(root: str, state: dict, *, notes: list[str] | None = None, **kw
 # Argument names a device-staging option might take; the first the constructor accepts is used when
 # --device-kwargs is not given. Values: what to pass.
 DEVICE_STAGING_CANDIDATES: list[tuple[str, Any]] = [
+    ("device_staging_budget_bytes", 64 << 30),  # checkpointd's own name: a GPU memory budget (64 GiB here)
     ("staging", "device"),
     ("device_staging", True),
     ("stage_on_device", True),

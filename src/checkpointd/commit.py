@@ -83,16 +83,29 @@ def list_step_dirs(store: Store) -> dict[int, str]:
 
 
 def committed_steps(store: Store) -> list[int]:
-    """Committed steps, ascending, from one listing of markers (no manifest or data read).
+    """Committed steps, ascending, from one listing of the root (no manifest or data read).
 
-    One glob instead of an existence check per directory keeps this cheap on object stores with
-    thousands of steps.
+    One recursive prefix listing (``fs.find``), retried under ``store.retry``: on S3/GCS that is one
+    paginated LIST of the prefix (1,000 keys a request), instead of a HEAD per step directory or a
+    glob, which fsspec turns into one listing per directory. Only ``<root>/step-N/COMMITTED`` counts.
     """
-    pattern = store.path(f"{layout.STEP_DIR_PREFIX}*/{layout.COMMIT_MARKER_NAME}")
-    store.fs.invalidate_cache(store.root)
+    return store.retry.call(_committed_steps_once, store, describe=f"list {store.display()}")
+
+
+def _committed_steps_once(store: Store) -> list[int]:
+    root = store.root.rstrip("/")
+    if not store.is_local:
+        store.fs.invalidate_cache(root)
+    try:
+        hits = store.fs.find(root)
+    except FileNotFoundError:
+        return []
     steps = set()
-    for hit in store.fs.glob(pattern):
-        step = layout.parse_step_dir_name(hit.rstrip("/").rsplit("/", 2)[-2])
-        if step is not None:
-            steps.add(step)
+    for hit in hits:
+        rel = store.fs._strip_protocol(hit).rstrip("/")[len(root):].strip("/")
+        parts = rel.split("/")
+        if len(parts) == 2 and parts[1] == layout.COMMIT_MARKER_NAME:
+            step = layout.parse_step_dir_name(parts[0])
+            if step is not None:
+                steps.add(step)
     return sorted(steps)

@@ -61,6 +61,8 @@ from .writer import BackgroundWriter, FileJob, SaveJob
 logger = logging.getLogger("checkpointd")
 
 _VALID_MODES = ("full", "sharded")
+_ENQUEUE_GRACE_SECS = 2.0
+"""How long the writer lets the training thread's hooks queue a snapshot's copies before queueing them itself."""
 
 
 class _Slot:
@@ -103,6 +105,11 @@ class CheckpointManager:
         overwrite: allow re-saving a committed step (the old one is deleted first).
         retry_timeout_secs: how long transient storage errors are retried before a save fails.
         file_threads: files written in parallel per save.
+        device_staging_budget_bytes: opt-in device staging: when the CUDA tensors of a save fit in
+            this many bytes of GPU memory, they are first cloned into a reused GPU buffer (~2 TB/s), so
+            training never waits for the device-to-host copy. Costs that much GPU memory.
+        dist_timeout_secs: under torch.distributed, how long a rank waits for the others in the
+            manager's own coordination (a dead rank fails the save after this, instead of hanging).
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class CheckpointManager:
         overwrite: bool = False,
         retry_timeout_secs: float = 120.0,
         file_threads: int | None = None,
+        dist_timeout_secs: float = 600.0,
     ) -> None:
         if mode not in _VALID_MODES:
             raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
@@ -144,6 +152,7 @@ class CheckpointManager:
         self._max_pending = max_pending
         self._store = _open_store(root, storage_options, retry_timeout_secs)
         self._entries = build_entries(state, _physicsnemo_detector())
+        self._dist = _distributed_runtime(self._entries, mode, dist_timeout_secs)
         self._closed = False
         self._lock = threading.RLock()
         self._pending: deque[SaveJob] = deque()
@@ -153,9 +162,12 @@ class CheckpointManager:
         self._stats = _Stats()
         self._last_job: SaveJob | None = None
         self._last_committed: int | None = None
-        self._snap = Snapshotter(max_arenas=max_pending)
-        self._writer = BackgroundWriter(self._store, self._codec,
-                                        file_threads=file_threads or min(8, max(2, (os.cpu_count() or 2))))
+        if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
+            raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
+        self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes)
+        threads = file_threads or min(8, max(2, (os.cpu_count() or 2)))
+        self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads) if self._dist is None
+                        else self._dist.make_writer(self._store, self._codec, threads))
         self._hooks: list[Any] = []
         self._opt_state_sizes: dict[int, int] = {}
         self._install_hooks()
@@ -179,7 +191,10 @@ class CheckpointManager:
         self._raise_failures()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        if not (force or self._schedule.is_due(step)):
+        due = force or self._schedule.is_due(step)
+        if self._dist is not None and not force:  # rank 0 decides time-based saves for every rank
+            due = self._dist.is_due(due, time_based=self._schedule.every_n_seconds is not None)
+        if not due:
             return False
         with self._lock:
             if step in self._inflight_steps:
@@ -192,13 +207,19 @@ class CheckpointManager:
             )
         t0 = time.perf_counter()
         clean = clean_metrics(metrics)
-        files = build_files(self._entries, step, clean, capture_rng(), self._codec.suffix,
-                            mdlus_members=_mdlus_members())
+        if self._dist is None:
+            files = build_files(self._entries, step, clean, capture_rng(), self._codec.suffix,
+                                mdlus_members=_mdlus_members())
+            locations, extra = None, {"rng_file": files[-1].rel_path}
+        else:  # full mode gathers here, collectively, on every rank
+            files, locations, extra = self._dist.build_files(step, clean, capture_rng(), self._codec.suffix,
+                                                             _mdlus_members())
+        self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
         # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
         while len(self._pending) >= self._max_pending:
             self._wait_job(self._pending[0], timeout=None)
         self._raise_failures()
-        job = self._stage(step, files, clean)
+        job = self._stage(step, files, clean, locations, extra)
         self._stats.snapshot_secs_last = time.perf_counter() - t0
         self._stats.snapshot_secs_total += self._stats.snapshot_secs_last
         self._stats.saves_started += 1
@@ -213,7 +234,8 @@ class CheckpointManager:
         """``maybe_save(step, force=True)``."""
         self.maybe_save(step, metrics=metrics, force=True)
 
-    def _stage(self, step: int, files: list[FileContent], metrics: dict[str, Any]) -> SaveJob:
+    def _stage(self, step: int, files: list[FileContent], metrics: dict[str, Any],
+               locations: dict[str, EntryLocation] | None, extra: dict[str, Any]) -> SaveJob:
         """Snapshot every tensor of ``files`` and build the background job around the copies."""
         tensors: list[torch.Tensor] = []
         index: dict[tuple[Any, ...], int] = {}
@@ -226,29 +248,29 @@ class CheckpointManager:
             return _Slot(index[key])
 
         skeletons = [copy_tree(f.tree, collect) for f in files]
-        order = self._buffers_first(tensors)
-        staged_in_order = self._snap.snapshot([tensors[i] for i in order],
-                                              n_buffer_tensors=sum(1 for i in order if self._is_buffer(tensors[i])))
+        order, n_buffers = self._buffers_first(tensors)
+        staged_in_order = self._snap.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
         staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for pos, i in enumerate(order):
             staged[i] = staged_in_order.staged[pos]
         step_dir = layout.step_dir_name(step)
-        manifest = Manifest(step=step, time=time.time(), world_size=1, mode=self._mode, codec=self._codec.name,
+        manifest = Manifest(step=step, time=time.time(), world_size=1 if self._dist is None else self._dist.world_size,
+                            mode=self._mode, codec=self._codec.name,
                             library_version=__version__, torch_version=torch.__version__, metrics=metrics,
-                            entries=self._entry_locations(files),
-                            extra={"rng_file": files[-1].rel_path})
+                            entries=self._entry_locations(files) if locations is None else locations,
+                            extra=extra)
         job = SaveJob(step=step, step_dir=step_dir, files=[], manifest=manifest,
                       before_write=lambda: None, after_files=lambda: self._snap.release(staged_in_order))
 
         def before_write() -> None:
-            staged_in_order.copies.wait_host()
+            staged_in_order.copies.wait_host(grace_secs=_ENQUEUE_GRACE_SECS)
             self._clear_step_dir(step_dir)
             for f, skel in zip(files, skeletons):
                 tree = resolve_deferred(_fill_slots(skel, staged))
                 plan = plan_pt(tree)
                 dtypes = {key: holder_dtype for key, holder_dtype in _record_dtypes(tree, plan).items()}
                 job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=dtypes,
-                                         json_members=f.json_members))
+                                         json_members=f.json_members, rank=f.rank))
 
         job.before_write = before_write
         job.after_commit = self._after_commit
@@ -263,23 +285,20 @@ class CheckpointManager:
                 out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=e.class_name)
         return out
 
-    def _buffers_first(self, tensors: list[torch.Tensor]) -> list[int]:
-        first = [i for i, t in enumerate(tensors) if self._is_buffer(t)]
-        rest = [i for i, t in enumerate(tensors) if not self._is_buffer(t)]
-        return first + rest
-
-    def _is_buffer(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" and t.data_ptr() in self._buffer_ptrs()
-
-    def _buffer_ptrs(self) -> set[int]:
+    def _buffers_first(self, tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+        """Indices with the registered modules' CUDA buffers first (the next forward waits only for those)."""
         ptrs: set[int] = set()
         for e in self._entries:
             if e.kind == "module":
-                ptrs.update(b.data_ptr() for b in e.obj.buffers())
-        return ptrs
+                ptrs.update(b.data_ptr() for b in e.obj.buffers() if b.device.type == "cuda")
+        first = [i for i, t in enumerate(tensors) if t.device.type == "cuda" and t.data_ptr() in ptrs]
+        chosen = set(first)
+        return first + [i for i in range(len(tensors)) if i not in chosen], len(first)
 
     def _clear_step_dir(self, step_dir: str) -> None:
         """Remove an uncommitted leftover (or, with overwrite=True, the old commit) before writing."""
+        if self._dist is not None and not self._dist.is_rank0:
+            return  # rank 0 clears; the commit protocol keeps the others from writing before it did
         if self._store.exists(step_dir) or self._store.list_dir(step_dir):
             logger.info("checkpointd: removing previous contents of %s before saving", self._store.display(step_dir))
             commit.uncommit_and_remove(self._store, step_dir)
@@ -294,6 +313,9 @@ class CheckpointManager:
                 self._committed.add(job.step)
             self._metrics[job.step] = dict(job.manifest.metrics)
             self._last_committed = job.step if self._last_committed is None else max(self._last_committed, job.step)
+            if self._dist is not None and not self._dist.is_rank0:
+                self._committed = None  # rank 0 applied retention; re-list on the next check
+                return
         try:
             self._apply_retention(job.step)
         except Exception as exc:  # noqa: BLE001 - retention failing must not fail a committed save
@@ -339,6 +361,7 @@ class CheckpointManager:
             CheckpointTimeoutError: ``timeout`` seconds passed first (also a TimeoutError).
             CheckpointWriteError: a background save failed.
         """
+        self._snap.flush()  # queue snapshot copies now rather than after the writer's grace period
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -421,7 +444,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        steps = self.steps()
+        steps = self.steps() if self._dist is None else self._dist.agree(self.steps())  # rank 0's listing
         if not steps:
             return None
         failures: list[str] = []
@@ -449,14 +472,24 @@ class CheckpointManager:
 
     def _restore_step(self, step: int) -> None:
         step_dir = layout.step_dir_name(step)
+        if self._dist is not None:  # every rank verifies, they agree, each loads its part in place
+            self._dist.restore_step(self._store, step_dir)
+            self._schedule.mark_saved()
+            return
         manifest = commit.read_committed_manifest(self._store, step_dir)
-        contents = restore_mod.read_step(self._store, step_dir, manifest)
-        values = restore_mod.values_by_entry(manifest, contents)
+        if manifest.mode == "sharded":  # a sharded (distributed) save, restored whole into this process
+            from .distributed.assemble import assemble_full_values
+
+            contents = restore_mod.read_step(self._store, step_dir, manifest, rank=None)
+            values = assemble_full_values(manifest, contents)
+        else:
+            contents = restore_mod.read_step(self._store, step_dir, manifest)
+            values = restore_mod.values_by_entry(manifest, contents)
         restore_mod.check_compatible(self._entries, values, step)
         for e in self._entries:
             restore_mod.apply_entry(e, values[e.name])
         rng = restore_mod.rng_of(manifest, contents)
-        if rng is not None:
+        if rng is not None and manifest.world_size == 1:  # per-rank RNG of a distributed run: see distributed/runtime.py
             restore_rng(rng)
         self._schedule.mark_saved()
 
@@ -505,6 +538,8 @@ class CheckpointManager:
         self._hooks.clear()
         self._writer.close()
         self._snap.close()
+        if self._dist is not None:
+            self._dist.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -549,8 +584,8 @@ class CheckpointManager:
 
     def _prepare_buffers(self) -> None:
         """Allocate (and pin) staging buffers for the current state layout, in the background."""
-        if self._closed:
-            return
+        if self._closed or getattr(self, "_dist", None) is not None:
+            return  # distributed: gathering is collective; the first save allocates, later saves reuse
         try:
             files = build_files(self._entries, 0, {}, capture_rng(), self._codec.suffix)
         except CheckpointError:
@@ -566,7 +601,7 @@ class CheckpointManager:
 
         for f in files:
             copy_tree(f.tree, collect)
-        order = self._buffers_first(specs)
+        order, _ = self._buffers_first(specs)
         self._snap.prepare_async([tensor_spec(specs[i]) for i in order])
 
 
@@ -621,6 +656,17 @@ def _open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout
     if store.is_file(""):
         raise ConfigError(f"checkpoint root {store.display()} is a file; pass a directory (or a URL prefix)")
     return store
+
+
+def _distributed_runtime(entries: Any, mode: str, timeout_secs: float) -> Any:
+    """A DistributedRuntime when torch.distributed is initialized (collective: every rank builds its manager)."""
+    from . import distributed
+
+    if not distributed.is_active():
+        return None
+    from .distributed.runtime import DistributedRuntime
+
+    return DistributedRuntime(entries, mode, timeout_secs)
 
 
 def _physicsnemo_detector() -> Any:

@@ -21,6 +21,7 @@ from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpoint
 from .manifest import FileEntry, Manifest
 from .state import RNG_KEY, Entry, unwrap_module
 from .storage import Store
+from .verify import check_file
 
 logger = logging.getLogger("checkpointd")
 
@@ -33,12 +34,9 @@ def read_verified(store: Store, step_dir: str, entry: FileEntry) -> bytes:
         data = store.read_bytes(rel)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
-    if len(data) != entry.size:
-        raise CorruptCheckpointError(f"{where} has {len(data)} bytes, the manifest says {entry.size}: truncated or altered")
     reader = ChecksumReader()
     reader.update(data)
-    if reader.checksum != entry.checksum:
-        raise CorruptCheckpointError(f"{where} fails its checksum ({reader.checksum} != {entry.checksum}): the file is damaged")
+    check_file(where, entry, len(data), reader.checksum)  # the one comparison, shared with `checkpointd verify`
     return data
 
 
@@ -139,6 +137,15 @@ def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int)
                     raise StateMismatchError(
                         f"state[{e.name!r}] key {k!r}: live shape {tuple(t.shape)}, saved {tuple(v[k].shape)} at step {step}"
                     )
+        elif e.kind == "optimizer":
+            live_sizes = [len(g["params"]) for g in e.obj.param_groups]
+            groups = v.get("param_groups") if isinstance(v, dict) else None
+            saved_sizes = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
+            if saved_sizes != live_sizes:
+                raise StateMismatchError(
+                    f"state[{e.name!r}] ({type(e.obj).__name__}): live parameter groups of sizes {live_sizes}, "
+                    f"saved {saved_sizes} at step {step}; build the optimizer over the same parameters that were saved"
+                )
         elif e.kind == "tensor":
             if not isinstance(v, torch.Tensor) or v.shape != e.obj.shape:
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__

@@ -11,11 +11,15 @@ Why this shape:
   would nearly double host memory for a 5 GB state. Registration costs ~0.5 s/GiB, so arenas are
   prepared ahead on a background thread (after construction and after the first optimizer step,
   when optimizer state first exists), off the training thread's critical path.
-- **Side stream, no host wait.** Device-to-host copies are queued on a side stream after the compute
-  stream's pending work; ``maybe_save`` returns at once. Before anything can modify a snapshotted
-  tensor, the compute stream (not the host) waits on an event: registered modules' forward pre-hook
-  waits for the module buffers (copied first, e.g. BatchNorm running stats), registered optimizers'
-  step pre-hook waits for everything. Copies that are done cost nothing.
+- **Side stream, no host wait, overlapped with the next step.** ``maybe_save`` records an event on the
+  compute stream (the save point) and returns. The device-to-host copies are queued on a side stream,
+  ordered after that event, at the first moment something could modify a snapshotted tensor: the
+  registered modules' next forward (pre-hook) or the registered optimizers' next step (pre-hook), or
+  ``wait_for_snapshot``/the next save/``wait``. So they overlap the next forward and backward instead of
+  lengthening the save step. Then the compute stream (not the host) waits on an event: the forward
+  waits for the module buffers (copied first, e.g. BatchNorm running stats), the optimizer step for
+  everything. Copies that are done cost nothing. If no hook fires for a while, the background writer
+  queues them itself; ordering after the save-point event keeps them exact either way.
 - **CPU-only torch.** Pinned memory, streams and events do not exist there: the arena is plain memory
   and the copy is synchronous inside ``maybe_save``, so any mutation afterwards is safe.
 """
@@ -45,12 +49,15 @@ def tensor_spec(t: torch.Tensor) -> TensorSpec:
 
 
 def _is_dense(t: torch.Tensor) -> bool:
-    try:
-        from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+    """Non-overlapping and dense: any permutation of a contiguous layout (channels_last included)."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return True
+    import torch._prims_common as prims
 
-        return bool(is_non_overlapping_and_dense(t))
-    except Exception:  # pragma: no cover - very old torch
-        return t.is_contiguous()
+    check = getattr(prims, "is_non_overlapping_and_dense_or_false", None) or getattr(prims, "is_non_overlapping_and_dense", None)
+    return bool(check(t)) if check is not None else False
 
 
 def _span_elems(shape: Sequence[int], stride: Sequence[int]) -> int:
@@ -109,17 +116,63 @@ class StagingArena:
         self.buffers = []
 
 
-@dataclass
 class PendingCopies:
-    """The CUDA events of one snapshot in flight (None on a CPU-only snapshot)."""
+    """The device-to-host copies of one snapshot: queued lazily, then tracked by CUDA events.
 
-    buffers_done: Any = None
-    all_done: Any = None
-    waited_buffers: bool = False
-    waited_all: bool = False
+    Thread-safe: the training thread's hooks and the background writer may both try to queue them.
+    """
 
-    def wait_host(self) -> None:
-        """Block the calling (background) thread until every copy landed in host memory."""
+    def __init__(self, snapshotter: "Snapshotter | None" = None, pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 n_buffers: int = 0, save_point: Any = None, device: torch.device | None = None,
+                 private_source: bool = False) -> None:
+        self._snap = snapshotter
+        self.private_source = private_source
+        """True when the copies read a private device-staging buffer: training never waits for them."""
+        self._pairs = pairs or []
+        self._n_buffers = n_buffers
+        self._save_point = save_point
+        self._device = device
+        self._lock = threading.Lock()
+        self.buffers_done: Any = None
+        self.all_done: Any = None
+        self.waited_buffers = False
+        self.waited_all = False
+        self.enqueued = threading.Event()
+        if not self._pairs:
+            self.enqueued.set()
+
+    def enqueue(self) -> None:
+        """Queue the copies on the side stream (once), ordered after the save point."""
+        if self.enqueued.is_set():
+            return
+        with self._lock:
+            if self.enqueued.is_set():
+                return
+            assert self._snap is not None and self._device is not None
+            stream = self._snap._side_stream(self._device)
+            with torch.cuda.device(self._device), torch.cuda.stream(stream), torch.no_grad():
+                stream.wait_event(self._save_point)
+                groups = ((self._pairs[: self._n_buffers], "buffers_done"), (self._pairs[self._n_buffers :], "all_done"))
+                for group, attr in groups:
+                    for src, dst in group:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    setattr(self, attr, event)
+            self._pairs = []
+            self.enqueued.set()
+
+    def wait_host(self, grace_secs: float | None = None) -> None:
+        """Block the calling thread until every copy landed in host memory.
+
+        Args:
+            grace_secs: when called from the background writer, how long to let the training
+                thread's hooks queue the copies (so they overlap its next step) before queueing them here.
+        """
+        if grace_secs is not None:
+            self.enqueued.wait(grace_secs)
+        self.enqueue()
         if self.all_done is not None:
             self.all_done.synchronize()
 
@@ -137,8 +190,12 @@ class Snapshotter:
     Called on the training thread; arena preparation runs on a background thread.
     """
 
-    def __init__(self, max_arenas: int = 1) -> None:
+    def __init__(self, max_arenas: int = 1, device_budget_bytes: int | None = None) -> None:
         self.cuda = torch.cuda.is_available()
+        self.device_budget_bytes = device_budget_bytes
+        self._device_arena: tuple[tuple[TensorSpec, ...], list[torch.Tensor]] | None = None
+        self._last_device_copies: PendingCopies | None = None
+        self._warned_budget = False
         self._arenas: list[StagingArena] = []
         self._max_arenas = max(1, max_arenas)
         self._lock = threading.Lock()
@@ -217,6 +274,7 @@ class Snapshotter:
             for a in self._arenas:
                 a.release()
             self._arenas.clear()
+            self._device_arena = None
             self.pinned_bytes = 0
 
     # -- copying ---------------------------------------------------------------------------------
@@ -228,37 +286,52 @@ class Snapshotter:
         specs = tuple(tensor_spec(t) for t in tensors)
         arena = self._acquire(specs)
         staged = list(arena.buffers)
-        copies = PendingCopies()
         device_idx = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
         with torch.no_grad():
             for i, t in enumerate(tensors):
                 if t.device.type != "cuda":
                     staged[i].copy_(t.detach())
-            if device_idx:
-                copies = self._copy_from_cuda(tensors, staged, device_idx, n_buffer_tensors)
-        result = StagedTensors(staged=staged, arena=arena, copies=copies)
-        if copies.all_done is not None:
-            self._inflight.append(copies)
-        return result
-
-    def _copy_from_cuda(self, tensors: Sequence[torch.Tensor], staged: list[torch.Tensor], idx: list[int], n_buf: int) -> PendingCopies:
-        device = tensors[idx[0]].device
-        stream = self._side_stream(device)
-        compute = torch.cuda.current_stream(device)
-        stream.wait_stream(compute)
         copies = PendingCopies()
-        with torch.cuda.stream(stream):
-            first = [i for i in idx if i < n_buf]
-            rest = [i for i in idx if i >= n_buf]
-            for group, attr in ((first, "buffers_done"), (rest, "all_done")):
-                for i in group:
-                    src = tensors[i].detach()
-                    staged[i].copy_(src, non_blocking=True)
-                    src.record_stream(stream)
-                event = torch.cuda.Event()
-                event.record(stream)
-                setattr(copies, attr, event)
-        return copies
+        if device_idx:
+            device = tensors[device_idx[0]].device
+            sources = [tensors[i].detach() for i in device_idx]
+            private = self._stage_on_device(sources, [specs[i] for i in device_idx], device)
+            save_point = torch.cuda.Event()
+            save_point.record(torch.cuda.current_stream(device))
+            pairs = list(zip(private if private is not None else sources, [staged[i] for i in device_idx]))
+            n_buf = 0 if private is not None else sum(1 for i in device_idx if i < n_buffer_tensors)
+            copies = PendingCopies(self, pairs, n_buf, save_point, device, private_source=private is not None)
+            if private is not None:
+                self._last_device_copies = copies
+            self._inflight.append(copies)
+        return StagedTensors(staged=staged, arena=arena, copies=copies)
+
+    def _stage_on_device(self, sources: list[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> list[torch.Tensor] | None:
+        """Device staging (opt-in): clone the tensors into a reused GPU buffer on the compute stream.
+
+        A device-to-device copy runs at ~2 TB/s, so the training stream pays milliseconds and never
+        waits for the slower device-to-host copy, which then reads the private GPU copy. Returns None
+        (host staging) when the state does not fit the GPU budget.
+        """
+        if self.device_budget_bytes is None:
+            return None
+        key = tuple(specs)
+        if self._device_arena is None or self._device_arena[0] != key:
+            nbytes = sum(_span_elems(sh, st) * dt.itemsize for sh, st, dt in key)
+            if nbytes > self.device_budget_bytes:
+                if not self._warned_budget:
+                    logger.warning("checkpointd: %d bytes of CUDA state exceed device_staging_budget_bytes=%d; staging through host memory",
+                                   nbytes, self.device_budget_bytes)
+                    self._warned_budget = True
+                return None
+            self._device_arena = (key, [torch.empty_strided(sh, st, dtype=dt, device=device) for sh, st, dt in key])
+        buffers = self._device_arena[1]
+        current = torch.cuda.current_stream(device)
+        if self._last_device_copies is not None and self._last_device_copies.all_done is not None:
+            current.wait_event(self._last_device_copies.all_done)  # the previous D2H still reads these buffers
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, sources)
+        return buffers
 
     def _side_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -281,6 +354,9 @@ class Snapshotter:
         current = torch.cuda.current_stream()
         still: list[PendingCopies] = []
         for c in self._inflight:
+            c.enqueue()
+            if c.private_source:
+                c.waited_all = c.waited_buffers = True
             if all_copies:
                 if not c.waited_all and c.all_done is not None and not c.all_done.query():
                     current.wait_event(c.all_done)
@@ -292,8 +368,13 @@ class Snapshotter:
                 still.append(c)
         self._inflight = still if not all_copies else []
 
+    def flush(self) -> None:
+        """Queue every pending copy now (before the next save point, or before waiting)."""
+        for c in list(self._inflight):
+            c.enqueue()
+
     def wait_host(self) -> None:
         """Block the host until every copy in flight is done (``wait_for_snapshot``)."""
-        for c in self._inflight:
+        inflight, self._inflight = self._inflight, []
+        for c in inflight:
             c.wait_host()
-        self._inflight = []

@@ -56,6 +56,8 @@ class FileContent:
     tree: Any
     entry_names: list[str] = field(default_factory=list)
     json_members: dict[str, bytes] | None = None
+    rank: int = 0
+    """The rank that writes this file (distributed runs; recorded as FileEntry.rank)."""
 
 
 class DeferredScalar:

@@ -326,6 +326,13 @@ class FaultyFileSystem(AbstractFileSystem):
         self.plan.check("ls", path)
         return self.target.ls(path, detail=detail, **kwargs)
 
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
+             **kwargs: Any) -> Any:
+        """The target's own ``find`` (one prefix listing on object stores), counted as one "ls"."""
+        path = self._t(path)
+        self.plan.check("ls", path)
+        return self.target.find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kwargs)
+
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         paths = [path] if isinstance(path, str) else list(path)
         for p in paths:

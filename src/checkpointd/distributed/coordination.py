@@ -1,0 +1,170 @@
+"""Coordination between ranks on dedicated gloo groups, and the distributed commit protocol.
+
+Why dedicated groups: the committer thread runs while the training thread issues its own collectives
+(NCCL all-reduces, FSDP all-gathers). Collectives of two threads on one group interleave differently on
+different ranks and deadlock. So the manager creates, collectively at construction, two gloo groups of
+its own:
+
+- ``control``: used only on the training thread (schedule decisions, restore agreement);
+- ``commit``: used only on the committer thread (the protocol below).
+
+The commit protocol of one save, on every rank's committer thread, in step order:
+
+1. ``before_write`` (rank 0 also clears a leftover step directory), then an all-gather of "ready":
+   nobody writes into the directory before rank 0 cleared it;
+2. each rank writes its own files, then an all-gather of (ok or error, FileEntry list, block records);
+3. rank 0, if every rank is ok, writes ``manifest.json`` listing every rank's files and then
+   ``COMMITTED`` (IMPORTANT: only after every rank reported its files durable), applies retention,
+   and broadcasts the outcome;
+4. every rank's job ends with that outcome: success, or the first failure (naming the rank), which the
+   manager raises as CheckpointWriteError at the next ``maybe_save``/``wait``/``close``.
+
+A rank that dies or never reaches the protocol makes the others fail at the group timeout
+(``dist_timeout_secs``), not hang forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .. import commit
+from ..errors import CheckpointError
+from ..manifest import FileEntry
+from ..writer import BackgroundWriter, SaveJob
+
+logger = logging.getLogger("checkpointd")
+
+
+class RankFailedError(CheckpointError):
+    """A save failed on one or more ranks; nothing was committed."""
+
+
+class Coordinator:
+    """This process's rank, the world size and the manager's two gloo groups.
+
+    Construction is collective: every rank must build its manager in the same order.
+    """
+
+    def __init__(self, timeout_secs: float = 600.0) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CheckpointError("torch.distributed is not initialized")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout_secs = float(timeout_secs)
+        timeout = timedelta(seconds=self.timeout_secs)
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.commit = dist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any, *, group: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def broadcast(self, obj: Any, *, group: Any) -> Any:
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (training thread only)."""
+        return self.broadcast(value, group=self.control)
+
+    def gather_control(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` on every rank (training thread only)."""
+        return self.all_gather(value, group=self.control)
+
+    def close(self) -> None:
+        for g in (self.control, self.commit):
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - the default group may already be gone
+                pass
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class DistributedWriter(BackgroundWriter):
+    """The BackgroundWriter whose ``_process`` runs the commit protocol of the module docstring.
+
+    Args:
+        merge_manifest: rank 0 only: (job, per-rank reports) -> the manifest to write.
+    """
+
+    def __init__(self, store: Any, codec: Any, coordinator: Coordinator, file_threads: int,
+                 merge_manifest: Callable[[SaveJob, list[dict[str, Any]]], Any]) -> None:
+        self.coord = coordinator
+        self.merge_manifest = merge_manifest
+        super().__init__(store, codec, file_threads=file_threads)
+
+    def _process(self, job: SaveJob) -> None:
+        coord, group = self.coord, self.coord.commit
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            job.before_write()
+        except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
+            error = exc
+        t1 = time.perf_counter()
+        job.timings["stage_wait_secs"] = t1 - t0
+        ready = coord.all_gather(None if error is None else _describe(error), group=group)
+        entries: list[FileEntry] = []
+        try:
+            if error is None and all(r is None for r in ready):
+                futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
+                for f in futures:  # wait for every file, keep the first failure
+                    try:
+                        entries.append(f.result())
+                    except BaseException as exc:  # noqa: BLE001
+                        error = error or exc
+        finally:
+            job.after_files()
+        t2 = time.perf_counter()
+        job.timings["write_secs"] = t2 - t1
+        job.manifest.files = entries
+        job.written_bytes = sum(e.size for e in entries)
+        job.raw_bytes = sum(e.raw_size or 0 for e in entries)
+        report = {"rank": coord.rank, "error": None if error is None else _describe(error),
+                  "files": [asdict(e) for e in entries], "extra": job.manifest.extra.get("_rank_local")}
+        reports = coord.all_gather(report, group=group)
+        failures = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"] is not None]
+        outcome: dict[str, Any] | None = None
+        if coord.is_rank0:
+            outcome = self._commit_on_rank0(job, reports, failures)
+        outcome = coord.broadcast(outcome, group=group)
+        job.timings["commit_secs"] = time.perf_counter() - t2
+        if not outcome["ok"]:
+            raise RankFailedError(f"step {job.step} was not committed: {outcome['error']}") from error
+        if not coord.is_rank0 and job.after_commit is not None:
+            job.after_commit(job)
+
+    def _commit_on_rank0(self, job: SaveJob, reports: list[dict[str, Any]], failures: list[str]) -> dict[str, Any]:
+        if failures:
+            logger.error("checkpointd: step %d not committed: %s", job.step, "; ".join(failures))
+            return {"ok": False, "error": "; ".join(failures)}
+        try:
+            manifest = self.merge_manifest(job, reports)
+            # IMPORTANT: commit only after every rank reported its files durable (reports above).
+            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, manifest)
+            job.manifest = manifest
+        except BaseException as exc:  # noqa: BLE001
+            return {"ok": False, "error": f"rank 0 could not commit: {_describe(exc)}"}
+        t = time.perf_counter()
+        if job.after_commit is not None:
+            try:
+                job.after_commit(job)  # retention, before the others learn the outcome
+            except Exception as exc:  # noqa: BLE001 - a committed save stays committed
+                logger.warning("checkpointd: after-commit of step %d failed: %s", job.step, exc)
+        job.timings["retention_secs"] = time.perf_counter() - t
+        return {"ok": True, "error": None}

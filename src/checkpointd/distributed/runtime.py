@@ -1,0 +1,209 @@
+"""What the manager does differently under torch.distributed: one object, consulted at a few hook points.
+
+The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is initialized. It then:
+
+- asks :meth:`is_due` (rank 0 decides time-based saves, so every rank saves the same steps);
+- builds this rank's files with :meth:`build_files` instead of ``state.build_files``:
+  full mode gathers on every rank (collective, training thread) and rank 0 gets the PhysicsNeMo files
+  of SPEC §3, the other ranks one small RNG file each (``rng/rank-0000r.pt``); sharded mode gives every
+  rank one file with its own blocks (layout in ``assemble.py``);
+- writes through :class:`~checkpointd.distributed.coordination.DistributedWriter` (rank 0 commits after
+  every rank reported success; :meth:`merge_manifest` lists every rank's files);
+- restores with :meth:`restore_step`: every rank reads and verifies the files, the ranks agree that all
+  verified, then each rank copies its part into the live objects in place.
+
+RNG under a changed world size: per-rank RNG streams cannot be mapped onto a different number of ranks,
+so when the checkpoint's world size differs from the current one the RNG state is left as it is (a
+RuntimeWarning says so on rank 0); reseed per rank (e.g. ``seed + rank``) if the run needs it. With the
+same world size, rank r gets back exactly rank r's Python, NumPy, torch CPU and CUDA RNG state.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .. import commit, restore as restore_mod
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateMismatchError
+from ..manifest import EntryLocation, FileEntry, Manifest
+from ..rng import restore_rng
+from ..state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
+from ..storage import Store
+from ..writer import SaveJob
+from .assemble import shard_file_name, sharded_values
+from .coordination import Coordinator, DistributedWriter
+from .sharding import copy_into, materialize, merge_records, split_tree
+from .state_dicts import gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state, owner_module
+
+logger = logging.getLogger("checkpointd")
+
+RNG_DIR = "rng"
+LAYOUT_VERSION = 1
+
+
+def rng_file_name(rank: int, codec_suffix: str = "") -> str:
+    return f"{RNG_DIR}/rank-{rank:05d}.pt{codec_suffix}"
+
+
+class DistributedRuntime:
+    """Per-manager distributed state: the coordinator, the mode and the optimizer -> module map."""
+
+    def __init__(self, entries: list[Entry], mode: str, timeout_secs: float = 600.0) -> None:
+        self.coord = Coordinator(timeout_secs)
+        self.rank = self.coord.rank
+        self.world_size = self.coord.world_size
+        self.mode = mode
+        self.entries = entries
+        modules = [e.obj for e in entries if e.kind == "module"]
+        self.owner = {e.name: owner_module(e.obj, modules) for e in entries if e.kind == "optimizer"}
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def make_writer(self, store: Store, codec: Any, file_threads: int) -> DistributedWriter:
+        return DistributedWriter(store, codec, self.coord, file_threads, self.merge_manifest)
+
+    def close(self) -> None:
+        self.coord.close()
+
+    # -- saving (training thread) ----------------------------------------------------------------
+    def is_due(self, due_here: bool, time_based: bool) -> bool:
+        """Rank 0's decision when it depends on the clock; the step-based rules agree by themselves."""
+        return bool(self.coord.agree(due_here)) if time_based else due_here
+
+    def agree(self, value: Any) -> Any:
+        return self.coord.agree(value)
+
+    def _state_of(self, e: Entry, full: bool) -> Any:
+        if e.kind == "module":
+            return module_state(e.obj, full)
+        if e.kind == "optimizer":
+            return optimizer_state(e.obj, self.owner[e.name], full)
+        tree = entry_state(e)
+        return gather_tree(tree) if full else tree
+
+    def build_files(self, step: int, metrics: dict[str, Any], rng: dict[str, Any], codec_suffix: str,
+                    mdlus_members: Callable[[Any], dict[str, bytes]] | None) -> tuple[list[FileContent], dict[str, EntryLocation] | None, dict[str, Any]]:
+        """This rank's files, the manifest's entry map (None: derive it from the files) and ``extra``.
+
+        Collective in full mode (every rank gathers, in registration order).
+        """
+        base = {"distributed": {"world_size": self.world_size, "backend": str(torch.distributed.get_backend())}}
+        if self.mode == "full":
+            trees = {e.name: self._state_of(e, True) for e in self.entries}
+            rng_files = {str(r): rng_file_name(r, codec_suffix) for r in range(1, self.world_size)}
+            if self.is_rank0:
+                files = build_files(self.entries, step, metrics, rng, codec_suffix, mdlus_members=mdlus_members,
+                                    state_of=lambda e: trees[e.name])
+                return files, None, {**base, "rng_file": files[-1].rel_path, "rng_files": rng_files}
+            tree = {RNG_KEY: rng, EPOCH_KEY: step}
+            return [FileContent(rel_path=rng_file_name(self.rank, codec_suffix), format="pt", tree=tree, rank=self.rank)], None, base
+        skeletons: dict[str, Any] = {}
+        blocks: dict[str, Any] = {}
+        records: dict[str, Any] = {}
+        for e in self.entries:
+            tree = self._state_of(e, False)
+            validate_tree(tree, f"state[{e.name!r}]", module_keys=e.kind == "module")
+            skeletons[e.name], blocks[e.name], records[e.name] = split_tree(tree, self.rank)
+        content: dict[str, Any] = {"blocks": blocks, RNG_KEY: rng, EPOCH_KEY: step}
+        if self.is_rank0:
+            content["entries"] = skeletons
+        own = shard_file_name(self.rank, codec_suffix)
+        root_file = shard_file_name(0, codec_suffix)
+        files = [FileContent(rel_path=own, format="pt", tree=content,
+                             entry_names=[e.name for e in self.entries] if self.is_rank0 else [], rank=self.rank)]
+        locations = {e.name: EntryLocation(kind=e.kind, file=root_file, key=e.name, class_name=e.class_name) for e in self.entries}
+        extra = {**base, "rng_file": root_file,
+                 "sharded": {"layout_version": LAYOUT_VERSION,
+                             "rank_files": {str(r): shard_file_name(r, codec_suffix) for r in range(self.world_size)}},
+                 "_rank_local": records}
+        return files, locations, extra
+
+    # -- committing (committer thread, rank 0) ---------------------------------------------------
+    def merge_manifest(self, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
+        m = job.manifest
+        extra = {k: v for k, v in m.extra.items() if k != "_rank_local"}
+        if "sharded" in extra:
+            extra["sharded"] = {**extra["sharded"], "tensors": merge_records([r["extra"] or {} for r in reports])}
+        files = [FileEntry(**f) for r in reports for f in r["files"]]
+        return Manifest(step=m.step, time=m.time, world_size=self.world_size, mode=m.mode, codec=m.codec,
+                        library_version=m.library_version, torch_version=m.torch_version, files=files,
+                        entries=m.entries, metrics=m.metrics, extra=extra)
+
+    # -- restoring (training thread, every rank) -------------------------------------------------
+    def restore_step(self, store: Store, step_dir: str) -> None:
+        """Read and verify on every rank, agree, then load each rank's part in place.
+
+        Raises (on every rank alike) CorruptCheckpointError when any rank could not read or verify the step.
+        """
+        error: BaseException | None = None
+        values: dict[str, Any] = {}
+        rng: Any = None
+        manifest: Manifest | None = None
+        try:
+            manifest = commit.read_committed_manifest(store, step_dir)
+            values, rng = self._read(store, step_dir, manifest)
+        except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
+            error = exc
+        problems = [p for p in self.coord.gather_control(None if error is None else f"{type(error).__name__}: {error}") if p]
+        if problems:
+            raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: " + "; ".join(problems[:4])) from error
+        assert manifest is not None
+        self._check(values, manifest.step)
+        for e in self.entries:
+            self._apply(e, values[e.name], f"state[{e.name!r}]")
+        if manifest.world_size != self.world_size:
+            if self.is_rank0:
+                warnings.warn(
+                    f"checkpointd: step {manifest.step} was saved by {manifest.world_size} ranks and is restored on "
+                    f"{self.world_size}; RNG state was not restored (reseed per rank if the run needs it)",
+                    RuntimeWarning, stacklevel=3)
+        elif isinstance(rng, dict):
+            restore_rng(rng)
+
+    def _read(self, store: Store, step_dir: str, manifest: Manifest) -> tuple[dict[str, Any], Any]:
+        if manifest.mode == "sharded":
+            contents = restore_mod.read_step(store, step_dir, manifest, rank=None)
+            values = sharded_values(manifest, contents)
+            own = manifest.extra["sharded"]["rank_files"].get(str(self.rank))
+            rng = contents.get(own, {}).get(RNG_KEY) if own else None
+            return values, rng
+        wanted = {f.path for f in manifest.files if f.rank == 0}
+        own_rng = (manifest.extra.get("rng_files") or {}).get(str(self.rank))
+        if own_rng:
+            wanted.add(own_rng)
+        files = [f for f in manifest.files if f.path in wanted]
+        view = Manifest(**{**manifest.__dict__, "files": files})
+        contents = restore_mod.read_step(store, step_dir, view, rank=None)
+        values = restore_mod.values_by_entry(manifest, contents)
+        rng_content = contents.get(own_rng) if own_rng else None
+        rng = rng_content.get(RNG_KEY) if isinstance(rng_content, dict) else restore_mod.rng_of(manifest, contents)
+        if self.rank != 0 and not own_rng:
+            rng = None
+        return values, rng
+
+    def _check(self, values: dict[str, Any], step: int) -> None:
+        """Refuse before touching anything when a module's keys differ from the checkpoint's."""
+        for e in self.entries:
+            if e.name not in values:
+                raise StateMismatchError(f"checkpoint step {step} has no entry {e.name!r} (it holds {sorted(values)})")
+            if e.kind == "module" and not is_fsdp1(e.obj):
+                live, stored = set(live_module_state(e.obj)), set(values[e.name])
+                if live != stored:
+                    raise StateMismatchError(
+                        f"state[{e.name!r}] does not match step {step}: missing keys {sorted(live - stored)[:5]}, "
+                        f"unexpected keys {sorted(stored - live)[:5]}")
+
+    def _apply(self, e: Entry, value: Any, where: str) -> None:
+        if e.kind == "module":
+            load_module(e.obj, value, where)
+        elif e.kind == "optimizer":
+            load_optimizer(e.obj, self.owner[e.name], value, where)
+        elif e.kind == "tensor":
+            copy_into(e.obj, value, where)
+        else:
+            restore_mod.apply_entry(e, materialize(value))

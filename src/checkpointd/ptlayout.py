@@ -1,0 +1,459 @@
+"""Precomputed zip layout: write a ``.pt`` (or ``.mdlus``) file with positional writes from many threads.
+
+Why: the streaming writer (:func:`checkpointd.serialize.write_pt`) produces the file front to back on
+one thread, and the CRC-32 of every byte is computed twice on that thread (zip member CRC, then the
+manifest checksum). On a local file, every record's size is known from the plan, so the whole zip
+layout can be computed before a byte is written:
+
+    [local header 0][data.pkl] ... [local header k][record k, aligned] ... [central directory][end]
+
+Local headers carry CRC and sizes (no data descriptors), with a padding extra field so every tensor
+record starts on an aligned offset (64 bytes, as ``.storage_alignment`` says; 4 KiB for records of
+64 KiB or more, which keeps writes page-aligned and suits ``torch.load(mmap=True)``). Then:
+
+1. the file is sized with ``ftruncate``; record bytes are cut into chunks (16 MiB by default) that a
+   shared thread pool writes with ``os.pwrite`` straight from the staged tensors (no copy), computing
+   each chunk's CRC-32 on the same thread, slice by slice while the slice is in cache;
+2. member CRCs are combined from chunk CRCs (:mod:`checkpointd.crc`), then headers, central directory
+   and end records are generated and written;
+3. the CRC-32 of the whole file (the manifest checksum) is combined from all pieces in file order:
+   every byte is read exactly once, by the thread that writes it.
+
+``.mdlus`` files nest a ``.pt`` image as the stored member ``model.pt``; its layout is computed the
+same way, relative to its own start, and its CRC combined from its pieces.
+
+The files are ordinary zips: Python's ``zipfile``, ``torch.load`` (miniz) and PhysicsNeMo read them.
+Zip64 records are written where a size or offset reaches ``zip64_limit`` (a parameter so tests can
+exercise them without 4 GiB files).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .crc import crc32_combine
+
+ZIP64_LIMIT = 0xFFFFFFFF
+"""Sizes and offsets at or above this go to zip64 extra fields (the format's own limit)."""
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Bytes per write task."""
+CRC_SLICE_BYTES = 1 << 20
+"""Within a task, CRC then write this much at a time, so the write reads the bytes from cache."""
+SMALL_ALIGN = 64
+LARGE_ALIGN = 4096
+LARGE_RECORD_BYTES = 64 << 10
+
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+_DOS_TIME = 0
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<IHHHHIIH")
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")
+_LOCATOR64 = struct.Struct("<IIQI")
+_PAD_EXTRA_ID = 0x4246  # "FB": the padding field PyTorch's own writer uses
+
+# -- the thread pool ----------------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_in_pool = threading.local()
+
+
+def _mark_pool_thread() -> None:
+    _in_pool.flag = True
+
+
+def io_executor() -> ThreadPoolExecutor:
+    """The shared pool for positional reads and writes (``min(32, max(4, cpu_count))`` threads).
+
+    Tasks on it never wait on other tasks of it, so files of one save (each driven from a writer
+    thread) and the chunks within them share it without deadlock.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=min(32, max(4, os.cpu_count() or 1)),
+                                       thread_name_prefix="checkpointd-io", initializer=_mark_pool_thread)
+        return _pool
+
+
+def in_io_pool() -> bool:
+    return bool(getattr(_in_pool, "flag", False))
+
+
+def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None) -> list[Any]:
+    """Run ``fns`` on the pool (inline when called from one of its threads); results in order.
+
+    On the first failure, tasks not yet started are cancelled, running ones are waited for, and the
+    failure is raised.
+    """
+    if not fns:
+        return []
+    if len(fns) == 1 or (executor is None and in_io_pool()):
+        return [fn() for fn in fns]
+    pool = executor or io_executor()
+    futures: list[Future[Any]] = [pool.submit(fn) for fn in fns]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        for f in futures:
+            if not f.cancelled():
+                try:
+                    f.exception()
+                except BaseException:  # noqa: BLE001 - waiting only
+                    pass
+        raise
+
+
+# -- layout ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A contiguous byte range of the file: given bytes (``data``) or bytes generated at finalize."""
+
+    offset: int
+    length: int
+    data: Any = None
+    crc: int | None = None
+
+
+@dataclass
+class _Member:
+    name: bytes
+    header: Piece
+    data_offset: int
+    size: int
+    content: list[Piece] | ZipImage
+    crc: int = 0
+
+
+@dataclass
+class ZipImage:
+    """A zip whose every offset is fixed; pieces in file order once :meth:`pieces` is called."""
+
+    origin: int
+    zip64_limit: int
+    members: list[_Member] = field(default_factory=list)
+    trailer: Piece | None = None
+    end: int = 0
+
+    def pieces(self) -> list[Piece]:
+        out: list[Piece] = []
+        for m in self.members:
+            out.append(m.header)
+            out.extend(m.content.pieces() if isinstance(m.content, ZipImage) else m.content)
+        assert self.trailer is not None
+        out.append(self.trailer)
+        return out
+
+    def data_pieces(self) -> list[Piece]:
+        """Pieces whose bytes are known before writing (member contents), in file order."""
+        out: list[Piece] = []
+        for m in self.members:
+            if isinstance(m.content, ZipImage):
+                out.extend(m.content.data_pieces())
+            else:
+                out.extend(m.content)
+        return out
+
+    def finalize(self) -> list[Piece]:
+        """Generate headers and trailer from the data pieces' CRCs; returns the generated pieces."""
+        generated: list[Piece] = []
+        for m in self.members:
+            if isinstance(m.content, ZipImage):
+                generated.extend(m.content.finalize())
+                parts = m.content.pieces()
+            else:
+                parts = m.content
+            crc = 0
+            for p in parts:
+                assert p.crc is not None, "a piece was not written"
+                crc = crc32_combine(crc, p.crc, p.length)
+            m.crc = crc
+            m.header.data = self._local_header(m)
+            assert len(m.header.data) == m.header.length
+            generated.append(m.header)
+        assert self.trailer is not None
+        self.trailer.data = self._trailer()
+        assert len(self.trailer.data) == self.trailer.length
+        generated.append(self.trailer)
+        for p in generated:
+            p.crc = zlib.crc32(p.data)
+        return generated
+
+    # -- encoding --------------------------------------------------------------------------------
+    def _local_header(self, m: _Member) -> bytes:
+        zip64 = m.size >= self.zip64_limit
+        extra = struct.pack("<HHQQ", 1, 16, m.size, m.size) if zip64 else b""
+        fixed = _LOCAL.size + len(m.name) + len(extra)
+        pad = m.header.length - fixed
+        if pad:
+            extra += struct.pack("<HH", _PAD_EXTRA_ID, pad - 4) + b"\0" * (pad - 4)
+        size32 = 0xFFFFFFFF if zip64 else m.size
+        return _LOCAL.pack(0x04034B50, 45 if zip64 else 20, _flags(m.name), 0, _DOS_TIME, _DOS_DATE, m.crc,
+                           size32, size32, len(m.name), len(extra)) + m.name + extra
+
+    def _trailer(self) -> bytes:
+        lim = self.zip64_limit
+        cd = bytearray()
+        for m in self.members:
+            rel = m.header.offset - self.origin
+            extra = b""
+            if m.size >= lim:
+                extra += struct.pack("<QQ", m.size, m.size)
+            if rel >= lim:
+                extra += struct.pack("<Q", rel)
+            if extra:
+                extra = struct.pack("<HH", 1, len(extra)) + extra
+            version = 45 if extra else 20
+            size32 = 0xFFFFFFFF if m.size >= lim else m.size
+            cd += _CENTRAL.pack(0x02014B50, version, version, _flags(m.name), 0, _DOS_TIME, _DOS_DATE, m.crc,
+                                size32, size32, len(m.name), len(extra), 0, 0, 0, 0,
+                                0xFFFFFFFF if rel >= lim else rel)
+            cd += m.name + extra
+        cd_offset = self.trailer.offset - self.origin  # type: ignore[union-attr]
+        n = len(self.members)
+        out = bytes(cd)
+        if _needs_zip64_end(n, len(cd), cd_offset, lim):
+            eocd64_offset = cd_offset + len(cd)
+            out += _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 45, 45, 0, 0, n, n, len(cd), cd_offset)
+            out += _LOCATOR64.pack(0x07064B50, 0, eocd64_offset, 1)
+            out += _EOCD.pack(0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+        else:
+            out += _EOCD.pack(0x06054B50, 0, 0, n, n, len(cd), cd_offset, 0)
+        return out
+
+
+def _flags(name: bytes) -> int:
+    try:
+        name.decode("ascii")
+        return 0
+    except UnicodeDecodeError:
+        return 0x800
+
+
+def _needs_zip64_end(n: int, cd_size: int, cd_offset: int, lim: int) -> bool:
+    return n >= 0xFFFF or cd_size >= lim or cd_offset >= lim
+
+
+def _central_size(name: bytes, size: int, rel_offset: int, lim: int) -> int:
+    extra = (16 if size >= lim else 0) + (8 if rel_offset >= lim else 0)
+    return _CENTRAL.size + len(name) + (4 + extra if extra else 0)
+
+
+Content = Any
+"""A member's content: ``bytes`` / ``memoryview`` (one piece), or a callable ``origin -> ZipImage``."""
+
+
+def build_zip(members: Iterable[tuple[str, Content, int]], origin: int = 0,
+              zip64_limit: int = ZIP64_LIMIT) -> ZipImage:
+    """Lay out a stored zip starting at file offset ``origin``.
+
+    Args:
+        members: ``(name, content, alignment)``: data starts at a multiple of ``alignment`` counted
+            from ``origin`` (1 for none). A callable content builds a nested zip at the origin it is given.
+    """
+    img = ZipImage(origin=origin, zip64_limit=zip64_limit)
+    pos = origin
+    cd_size = 0
+    for name, content, align in members:
+        bname = name.encode("utf-8")
+        fixed = _LOCAL.size + len(bname)
+        header_offset = pos
+        # The zip64 decision depends on the size, which a nested image knows only once built at its
+        # origin; its origin depends on the header length. Nested images are never aligned differently
+        # by a zip64 field: compute the header assuming no zip64, build, and redo if the size says so.
+        for zip64 in (False, True):
+            hdr_len = fixed + (20 if zip64 else 0)
+            pad = (-(pos + hdr_len - origin)) % align if align > 1 else 0
+            if 0 < pad < 4:
+                pad += align
+            hdr_len += pad
+            data_offset = pos + hdr_len
+            if callable(content):
+                body: list[Piece] | ZipImage = content(data_offset)
+                size = body.end - data_offset  # type: ignore[union-attr]
+            else:
+                view = memoryview(content).cast("B")
+                size = view.nbytes
+                body = [Piece(data_offset, size, view)]
+            if (size >= zip64_limit) == zip64:
+                break
+        m = _Member(name=bname, header=Piece(header_offset, hdr_len), data_offset=data_offset, size=size, content=body)
+        img.members.append(m)
+        cd_size += _central_size(bname, size, header_offset - origin, zip64_limit)
+        pos = data_offset + size
+    n = len(img.members)
+    trailer_len = cd_size + _EOCD.size
+    if _needs_zip64_end(n, cd_size, pos - origin, zip64_limit):
+        trailer_len += _EOCD64.size + _LOCATOR64.size
+    img.trailer = Piece(pos, trailer_len)
+    img.end = pos + trailer_len
+    return img
+
+
+def pt_members(plan: Any, align_small: int = SMALL_ALIGN, align_large: int = LARGE_ALIGN) -> list[tuple[str, Content, int]]:
+    """The members of a ``.pt`` file, exactly those :func:`checkpointd.serialize.write_pt` writes."""
+    from .serialize import ARCHIVE_DIR, storage_view
+
+    a = ARCHIVE_DIR
+    out: list[tuple[str, Content, int]] = [
+        (f"{a}/data.pkl", plan.pickle_bytes, 1),
+        (f"{a}/.format_version", b"1", 1),
+        (f"{a}/.storage_alignment", str(align_small).encode(), 1),
+        (f"{a}/byteorder", sys.byteorder.encode(), 1),
+    ]
+    for key, holder in plan.storages:
+        view = storage_view(holder)
+        out.append((f"{a}/data/{key}", view, align_large if view.nbytes >= LARGE_RECORD_BYTES else align_small))
+    out.append((f"{a}/version", b"3\n", 1))
+    return out
+
+
+def pt_image(plan: Any, origin: int = 0, zip64_limit: int = ZIP64_LIMIT) -> ZipImage:
+    return build_zip(pt_members(plan), origin, zip64_limit)
+
+
+def mdlus_image(json_members: dict[str, bytes], plan: Any, zip64_limit: int = ZIP64_LIMIT) -> ZipImage:
+    """The ``.mdlus`` zip: ``args.json``, ``metadata.json``, then ``model.pt`` (a nested ``.pt`` image)."""
+    from .mdlus import ARGS_MEMBER, METADATA_MEMBER, MODEL_MEMBER
+
+    missing = {ARGS_MEMBER, METADATA_MEMBER} - json_members.keys()
+    if missing:
+        raise ValueError(f"mdlus: json_members lacks {sorted(missing)}; build it with mdlus_json_members()")
+    return build_zip([
+        (ARGS_MEMBER, json_members[ARGS_MEMBER], 1),
+        (METADATA_MEMBER, json_members[METADATA_MEMBER], 1),
+        (MODEL_MEMBER, lambda origin: pt_image(plan, origin, zip64_limit), LARGE_ALIGN),
+    ], 0, zip64_limit)
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WriteResult:
+    nbytes: int
+    crc: int
+    raw_nbytes: int
+
+
+def _pwrite_all(fd: int, view: Any, offset: int) -> None:
+    mv = memoryview(view)
+    while mv.nbytes:
+        n = os.pwrite(fd, mv, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        mv = mv[n:]
+        offset += n
+
+
+def _write_task(fd: int, work: list[tuple[int, Any]]) -> list[int]:
+    """Write ``(offset, view)`` pieces, CRC-32 of each computed slice by slice just before its write."""
+    crcs = []
+    for offset, view in work:
+        crc = 0
+        pos = 0
+        n = view.nbytes
+        while pos < n:
+            part = view[pos:pos + CRC_SLICE_BYTES]
+            crc = zlib.crc32(part, crc)
+            _pwrite_all(fd, part, offset + pos)
+            pos += CRC_SLICE_BYTES
+        crcs.append(crc)
+    return crcs
+
+
+def plan_tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[tuple[Piece, int, int]]]:
+    """Group ``pieces`` into tasks of about ``chunk_bytes``: lists of ``(piece, start, stop)`` ranges."""
+    tasks: list[list[tuple[Piece, int, int]]] = []
+    current: list[tuple[Piece, int, int]] = []
+    filled = 0
+    for p in pieces:
+        start = 0
+        while start < p.length:
+            stop = min(p.length, start + chunk_bytes - filled)
+            current.append((p, start, stop))
+            filled += stop - start
+            start = stop
+            if filled >= chunk_bytes:
+                tasks.append(current)
+                current, filled = [], 0
+    if current:
+        tasks.append(current)
+    return tasks
+
+
+def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                executor: Executor | None = None) -> WriteResult:
+    """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) with positional writes.
+
+    The caller owns ``fd`` (opening, fsync, closing, removal on failure).
+    """
+    os.ftruncate(fd, img.end)
+    data = img.data_pieces()
+    tasks = plan_tasks(data, chunk_bytes)
+
+    def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
+        return lambda: _write_task(fd, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+
+    results = run_tasks([make(t) for t in tasks], executor)
+    for task, crcs in zip(tasks, results):
+        for (p, a, b), crc in zip(task, crcs):
+            p.crc = crc if p.crc is None or a == 0 else crc32_combine(p.crc, crc, b - a)
+    for p in data:
+        if p.length == 0:
+            p.crc = 0
+    generated = img.finalize()
+    for p in generated:
+        _pwrite_all(fd, p.data, p.offset)
+    crc = 0
+    for p in img.pieces():
+        crc = crc32_combine(crc, p.crc, p.length)  # type: ignore[arg-type]
+    raw = sum(p.length for p in data)
+    return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
+
+
+def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               executor: Executor | None = None, durable: bool = True) -> WriteResult:
+    """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
+
+    On any failure the partial file is removed and the error raised.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor)
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        try:
+            os.close(fd)
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    os.close(fd)
+    if durable:
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return result
+
+
+__all__ = ["ZipImage", "build_zip", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
+           "write_image", "ZIP64_LIMIT"]

@@ -1,0 +1,140 @@
+"""Run a function on N processes under torch.distributed, with a deadline the parent enforces.
+
+Why not ``torch.multiprocessing.spawn``: it waits forever when a child hangs in a collective. Here:
+
+- children come from a ``forkserver`` that imported torch once (a fresh 2-core CI machine pays the
+  import cost once per session, not once per rank per test), and never inherit pytest's threads;
+- every child gets a free TCP port, short process-group timeouts and writes its result (or its
+  traceback) to a file; after ``destroy_process_group`` it leaves with ``os._exit`` so no atexit
+  handler or stuck background thread can keep it alive;
+- the parent waits until ``deadline_secs``, then kills every child still running and fails with the
+  tracebacks it has.
+
+Backend: ``gloo`` on CPU by default; ``CHECKPOINTD_TEST_BACKEND=nccl`` runs the same scenarios on one
+GPU per rank (``torch.cuda.set_device(rank)``; tests pick the device with :func:`device`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+_CTX: Any = None
+
+
+def backend() -> str:
+    """``gloo`` (default) or the value of ``CHECKPOINTD_TEST_BACKEND``."""
+    return os.environ.get("CHECKPOINTD_TEST_BACKEND", "gloo").strip().lower() or "gloo"
+
+
+def device() -> Any:
+    """The device a rank's tensors live on: ``cuda:<local rank>`` under nccl, else CPU."""
+    import torch
+
+    if backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "checkpointd"])
+        _CTX = ctx
+    return _CTX
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, be: str, args: tuple[Any, ...]) -> None:
+    code = 1
+    try:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        if be == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(be, rank=rank, world_size=world_size, timeout=timedelta(seconds=45))
+        try:
+            result = fn(rank, world_size, *args)
+            payload: dict[str, Any] = {"ok": True, "result": result}
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            payload = {"ok": False, "error": traceback.format_exc()}
+        Path(out_dir, f"rank-{rank}.pkl").write_bytes(pickle.dumps(payload))
+        code = 0 if payload["ok"] else 1
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    except BaseException:  # noqa: BLE001 - setup failed
+        try:
+            Path(out_dir, f"rank-{rank}.pkl").write_bytes(pickle.dumps({"ok": False, "error": traceback.format_exc()}))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(code)
+
+
+class DistributedFailure(AssertionError):
+    """A rank raised, exited abnormally, or the deadline passed."""
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadline_secs: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result.
+
+    ``fn`` must be a module-level function (children import it). Raises DistributedFailure with every
+    failing rank's traceback; kills the children that are still running at the deadline.
+    """
+    ctx = _context()
+    be = backend()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="checkpointd-dist-") as out_dir:
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, out_dir, be, args), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_secs
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+        for p in procs:
+            p.join(5)
+        results: list[Any] = []
+        errors: list[str] = []
+        for r, p in enumerate(procs):
+            f = Path(out_dir, f"rank-{r}.pkl")
+            if not f.exists():
+                why = "killed at the deadline" if r in hung else f"exited with code {p.exitcode} and no result"
+                errors.append(f"rank {r}: {why}")
+                results.append(None)
+                continue
+            payload = pickle.loads(f.read_bytes())
+            if payload["ok"]:
+                results.append(payload["result"])
+            else:
+                errors.append(f"rank {r} raised:\n{payload['error']}")
+                results.append(None)
+        if hung:
+            errors.insert(0, f"deadline of {deadline_secs:.0f} s passed; ranks {hung} were killed")
+        if errors:
+            raise DistributedFailure("\n".join(errors))
+        return results

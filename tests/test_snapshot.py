@@ -1,0 +1,127 @@
+"""Snapshot isolation (SPEC §2 "What a save captures"): a save of step s holds the values at the
+``maybe_save(s)`` call, whatever the training loop does to the live state afterwards.
+
+The background writer is slowed down (a delay fault on every file it opens) so the mutations below
+certainly happen before any byte of the checkpoint is serialized.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, load
+from checkpointd.testing.faults import Fault, FaultPlan
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def _assert_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _slow_root(tmp_path, delay=0.3):
+    plan = FaultPlan(Fault(op="open", error=None, delay_secs=delay, path="*step-*"))
+    return f"faulty://{tmp_path}/ckpt", {"target_protocol": "file", "faults": plan}, plan
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_mutation_after_maybe_save_does_not_leak(tmp_path, compression):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3)).to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 2, 5, 5)).sum().backward()
+    opt.step()
+    counter = torch.arange(6, dtype=torch.float64)
+    data = {"tensor": torch.ones(4), "number": 1, "nested": {"items": [1, 2], "t": torch.zeros(2, dtype=torch.int32)}}
+    items = [torch.full((3,), 7.0), "a"]
+
+    root, options, plan = _slow_root(tmp_path)
+    mgr = CheckpointManager(root, {"model": model, "optimizer": opt, "counter": counter, "data": data, "items": items},
+                            compression=compression, storage_options=options)
+    expected = {
+        "model": _clone(model.state_dict()),
+        "optimizer": _clone(opt.state_dict()),
+        "counter": counter.clone(),
+        "data": _clone(data),
+        "items": _clone(items),
+    }
+    assert mgr.maybe_save(1, force=True)
+
+    # Mutate everything in place, by every route a training loop takes.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+        for st in opt.state.values():
+            for v in st.values():
+                v.add_(1)
+    model.train()
+    model(torch.randn(2, 2, 5, 5)).sum().backward()  # BatchNorm running stats move
+    opt.step()
+    opt.param_groups[0]["lr"] = 123.0
+    counter.mul_(-1)
+    data["tensor"].add_(5)
+    data["number"] = 2
+    data["new"] = "added later"
+    data["nested"]["items"].append(3)
+    data["nested"]["t"].fill_(9)
+    items[0].zero_()
+    items.append("b")
+    assert not plan.calls["close"], "the writer must still be blocked when the mutations happen"
+
+    mgr.wait()
+    mgr.close()
+    got = load(tmp_path / "ckpt")
+    _assert_equal(expected, got)
+
+
+def test_consecutive_saves_each_hold_their_own_values(tmp_path):
+    """Reused staging buffers: save 2 is staged while save 1 is still being written (max_pending=2)."""
+    t = torch.zeros(1000)
+    root, options, _ = _slow_root(tmp_path, delay=0.2)
+    with CheckpointManager(root, {"t": t}, keep_last=None, max_pending=2, storage_options=options) as mgr:
+        for step in range(1, 4):
+            t.fill_(step)
+            assert mgr.maybe_save(step, force=True)
+            t.fill_(-1)
+    for step in range(1, 4):
+        assert torch.equal(load(tmp_path / "ckpt", step=step)["t"], torch.full((1000,), float(step)))
+
+
+def test_registered_tensor_view_is_stored_at_its_own_size(tmp_path):
+    """A small view of a large storage is stored as its own bytes, not the whole storage."""
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    view = big[500:510]
+    strided = big[:40].view(4, 10)[:, ::3]  # not dense: staged contiguous
+    with CheckpointManager(tmp_path, {"view": view, "strided": strided}, compression=None) as mgr:
+        mgr.save(0)
+    (step_dir,) = tmp_path.iterdir()
+    data_file = step_dir / "checkpoint.0.0.pt"
+    assert data_file.stat().st_size < 20_000  # the whole storage would be 4 MB
+    got = torch.load(data_file, weights_only=True)
+    assert torch.equal(got["view"], view)
+    assert got["view"].untyped_storage().nbytes() == 40
+    assert torch.equal(got["strided"], strided)
