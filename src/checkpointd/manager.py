@@ -133,6 +133,7 @@ class CheckpointManager:
         retry_timeout_secs: float = 120.0,
         file_threads: int | None = None,
         dist_timeout_secs: float = 600.0,
+        device_staging_budget_bytes: int | None = None,
     ) -> None:
         if mode not in _VALID_MODES:
             raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
