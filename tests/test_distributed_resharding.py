@@ -96,7 +96,8 @@ def saved_reference(rank: int, world: int) -> Any:
     """What the saved state must gather to: the same training without checkpointing."""
     model, opt = _fsdp2(seed=0)
     _train(model, opt, 2)
-    return _full(model, opt) if rank == 0 else None
+    full = _full(model, opt)  # collective: every rank
+    return full if rank == 0 else None
 
 
 def restore_fsdp2(rank: int, world: int, root: str) -> Any:
@@ -193,14 +194,16 @@ def full_save_then_restore(rank: int, world: int, root: str) -> Any:
     _train(model, opt, 2)
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, dist_timeout_secs=30) as mgr:
         mgr.save(2)
-    return _full(model, opt) if rank == 0 else None
+    full = _full(model, opt)  # collective: every rank
+    return full if rank == 0 else None
 
 
 def restore_full_or_single(rank: int, world: int, root: str) -> Any:
     model, opt = _fsdp2(seed=9)
     with CheckpointManager(root, {"model": model, "optim": opt}, dist_timeout_secs=30) as mgr:
         step = mgr.restore_latest()
-    return {"step": step, "full": _full(model, opt) if rank == 0 else None}
+    full = _full(model, opt)  # collective: every rank
+    return {"step": step, "full": full if rank == 0 else None}
 
 
 def test_full_mode_physicsnemo_files_and_restore_at_3(tmp_path: Path, reference: dict[str, Any]) -> None:

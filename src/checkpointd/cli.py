@@ -93,19 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"checkpointd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("ls", parents=[common, as_json], help="list the step directories of a root",
+    p = _subcommand(sub, "ls", parents=[common, as_json], help="list the step directories of a root",
                        description="List step directories: committed, uncommitted (leftover or in flight), damaged.")
     p.add_argument("root", metavar="ROOT")
     p.set_defaults(run=cmd_ls)
 
-    p = sub.add_parser("inspect", parents=[common, as_json], help="show one step's manifest and tensors",
+    p = _subcommand(sub, "inspect", parents=[common, as_json], help="show one step's manifest and tensors",
                        description="Show a step's files, entries, tensors (shape/dtype, read from the pickles "
                                    "only), metrics and versions. Also accepts a single .pt/.mdlus[.zst] file.")
     p.add_argument("step_dir", metavar="STEP_DIR")
     p.add_argument("--no-tensors", action="store_true", help="do not read the files' pickles")
     p.set_defaults(run=cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common, as_json], help="verify every committed step, or one step",
+    p = _subcommand(sub, "verify", parents=[common, as_json], help="verify every committed step, or one step",
                        description="Check each committed step (or the one STEP_DIR): commit marker against the "
                                    "manifest checksum, each file's size and CRC-32. Exit 0 only if all verify.")
     p.add_argument("path", metavar="ROOT|STEP_DIR")
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also decode every file and parse its pickles safely (codec and record checksums, unsafe pickles)")
     p.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("export", parents=[common], help="write a step as native uncompressed files",
+    p = _subcommand(sub, "export", parents=[common], help="write a step as native uncompressed files",
                        description="Decode every file of a committed step into OUT_DIR under its native name "
                                    "(.zst dropped), verifying checksums: a plain PhysicsNeMo-style directory.")
     p.add_argument("step_dir", metavar="STEP_DIR")
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace files that already exist in OUT_DIR")
     p.set_defaults(run=cmd_export)
 
-    p = sub.add_parser("gc", parents=[common, as_json], help="remove uncommitted leftovers",
+    p = _subcommand(sub, "gc", parents=[common, as_json], help="remove uncommitted leftovers",
                        description="Remove uncommitted step directories whose newest file is older than the grace "
                                    "period. Committed steps are never touched.")
     p.add_argument("root", metavar="ROOT")
@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.set_defaults(run=cmd_gc)
     return parser
+
+
+def _subcommand(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose help ends with the exit codes, like the top-level help."""
+    return sub.add_parser(name, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
 def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
@@ -158,15 +163,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = [["STEP", "STATUS", "TIME", "SIZE", "FILES", "CODEC", "METRICS"]]
     for r in rows:
-        status = r["status"] if r["status"] != "damaged" else f"DAMAGED: {r['error']}"
         table.append([str(r["step"]), r["status"].upper() if r["status"] == "damaged" else r["status"],
                       _fmt_time(r["time"]), _fmt_bytes(r["size_bytes"]), str(r["files"]), r["codec"] or "-",
                       _fmt_metrics(r["metrics"])])
-        if r["status"] == "damaged":
-            table.append(["", f"  {status}", "", "", "", "", ""])
     _print_table(table, right={0, 3, 4})
+    for r in rows:
+        if r["status"] == "damaged":
+            print(f"step {r['step']} is DAMAGED: {r['error']}")
     committed = sum(r["committed"] for r in rows)
-    print(f"{committed} committed, {len(rows) - committed} other, under {store.display()}")
+    print(f"{committed} committed, {len(rows) - committed} uncommitted, under {store.display()} "
+          "(markers and manifests only; data is checked by checkpointd verify)")
     return EXIT_OK
 
 

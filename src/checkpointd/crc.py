@@ -14,7 +14,38 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def _fast_crc32() -> tuple[Callable[..., int], str]:
+    """The fastest available ``crc32(data, value=0)`` with zlib's polynomial and results.
+
+    zlib-ng (``pip install zlib-ng``) and ISA-L (``pip install isal``) use carry-less multiplication
+    (PCLMUL): 15-20 GB/s a core where zlib's braided loop gives about 4 GB/s, which decides whether a
+    checksum computed while writing is free on a machine with few cores.
+    """
+    try:
+        from zlib_ng import zlib_ng  # type: ignore[import-not-found]
+
+        if zlib_ng.crc32(b"123456789") == 0xCBF43926:
+            return zlib_ng.crc32, "zlib-ng"
+    except Exception:  # noqa: BLE001 - optional accelerator
+        pass
+    try:
+        from isal import isal_zlib  # type: ignore[import-not-found]
+
+        if isal_zlib.crc32(b"123456789") == 0xCBF43926:
+            return isal_zlib.crc32, "isal"
+    except Exception:  # noqa: BLE001 - optional accelerator
+        pass
+    return zlib.crc32, "zlib"
+
+
+crc32: Callable[..., int]
+crc32, CRC32_IMPLEMENTATION = _fast_crc32()
+"""``crc32(data, value=0)``: same results as ``zlib.crc32``, from the fastest library installed."""
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 
@@ -102,4 +133,4 @@ def crc32_concat(parts: Iterable[tuple[int, int]], crc: int = 0) -> int:
     return crc
 
 
-__all__ = ["crc32_combine", "crc32_combine_py", "crc32_concat"]
+__all__ = ["CRC32_IMPLEMENTATION", "crc32", "crc32_combine", "crc32_combine_py", "crc32_concat"]

@@ -422,7 +422,8 @@ class CheckpointManager:
             job, exc = self._failures.pop(0)
         raise CheckpointWriteError(
             f"background save of step {job.step} to {self._store.display(job.step_dir)} failed: "
-            f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact.",
+            f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact."
+            f"{_failure_hint(exc)}",
             step=job.step,
         ) from exc
 
@@ -641,6 +642,17 @@ def _as_steps(at_steps: Iterable[int]) -> list[int]:
         return [int(s) if not isinstance(s, bool) else -1 for s in at_steps]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"at_steps must be an iterable of ints, got {at_steps!r}") from exc
+
+
+def _failure_hint(exc: BaseException) -> str:
+    """What to do about a background failure, for the causes that have an obvious remedy."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return " The storage is full: free space (or lower keep_last) and the next save will succeed."
+    if isinstance(exc, PermissionError):
+        return " Check that this process may write to the checkpoint root."
+    return ""
 
 
 def _open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_secs: float) -> Store:

@@ -33,17 +33,16 @@ import os
 import struct
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .crc import crc32_combine
+from .crc import crc32, crc32_combine
 
 ZIP64_LIMIT = 0xFFFFFFFF
 """Sizes and offsets at or above this go to zip64 extra fields (the format's own limit)."""
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes per write task."""
 CRC_SLICE_BYTES = 1 << 20
 """Within a task, CRC then write this much at a time, so the write reads the bytes from cache."""
@@ -189,7 +188,7 @@ class ZipImage:
         assert len(self.trailer.data) == self.trailer.length
         generated.append(self.trailer)
         for p in generated:
-            p.crc = zlib.crc32(p.data)
+            p.crc = crc32(p.data)
         return generated
 
     # -- encoding --------------------------------------------------------------------------------
@@ -368,7 +367,7 @@ def _write_task(fd: int, work: list[tuple[int, Any]]) -> list[int]:
         n = view.nbytes
         while pos < n:
             part = view[pos:pos + CRC_SLICE_BYTES]
-            crc = zlib.crc32(part, crc)
+            crc = crc32(part, crc)
             _pwrite_all(fd, part, offset + pos)
             pos += CRC_SLICE_BYTES
         crcs.append(crc)

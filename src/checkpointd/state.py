@@ -95,8 +95,8 @@ def user_class_name(module: torch.nn.Module) -> str:
         module = unwrap_module(module.module)
     cls = type(module)
     name = cls.__name__
-    if name.startswith("FSDP") and len(cls.__mro__) > 1 and cls.__mro__[1].__name__ == name[4:]:
-        return name[4:]
+    if name.startswith("FSDP") and any(base.__name__ == name[4:] for base in cls.__mro__[1:]):
+        return name[4:]  # FSDP2's fully_shard swaps the class for FSDP<Name>(FSDPModule, <Name>)
     return name
 
 
