@@ -55,6 +55,7 @@ def test_context_manager_waits_and_closes(tmp_path):
     with CheckpointManager(tmp_path, {"t": torch.ones(1)}) as mgr:
         assert mgr.maybe_save(0, force=True) is True
         assert mgr.save(1) is None
+        assert mgr.wait_for_snapshot() is None  # CPU: the copies are already done
     assert (tmp_path / "step-000000001" / "COMMITTED").exists()
     with pytest.raises(CheckpointError, match="closed"):
         mgr.maybe_save(2, force=True)
@@ -116,12 +117,12 @@ def test_saving_a_committed_step_raises_unless_overwrite(tmp_path):
 
 
 def test_every_n_seconds_real_clock(tmp_path):
-    with CheckpointManager(tmp_path, {"t": torch.ones(1)}, every_n_seconds=0.3, keep_last=None) as mgr:
+    with CheckpointManager(tmp_path, {"t": torch.ones(1)}, every_n_seconds=0.5, keep_last=None) as mgr:
         assert mgr.maybe_save(0) is False  # counts from construction
-        time.sleep(0.35)
+        time.sleep(0.55)
         assert mgr.maybe_save(1) is True
         assert mgr.maybe_save(2) is False  # counts from the last save
-        time.sleep(0.35)
+        time.sleep(0.55)
         assert mgr.maybe_save(3) is True
         mgr.wait()
         assert mgr.steps() == [1, 3]

@@ -43,7 +43,7 @@ def _assert_equal(a, b, where=""):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _slow_root(tmp_path, delay=0.3):
+def _slow_root(tmp_path, delay=0.5):
     plan = FaultPlan(Fault(op="open", error=None, delay_secs=delay, path="*step-*"))
     return f"faulty://{tmp_path}/ckpt", {"target_protocol": "file", "faults": plan}, plan
 

@@ -32,7 +32,16 @@ def write_manifest_and_commit(store: Store, step_dir: str, manifest: Manifest) -
 
 
 def is_committed(store: Store, step_dir: str) -> bool:
-    return store.exists(layout.join(step_dir, layout.COMMIT_MARKER_NAME))
+    """Whether ``step_dir`` holds a non-empty marker (no manifest or data read).
+
+    An empty marker is what a process killed between creating and writing it leaves on local disk
+    (object stores never show a partial object); it does not count, so such a step is an uncommitted
+    leftover that retention and ``gc`` remove, never a "committed" step that fails to restore.
+    """
+    try:
+        return store.size(layout.join(step_dir, layout.COMMIT_MARKER_NAME)) > 0
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def read_committed_manifest(store: Store, step_dir: str) -> Manifest:
@@ -47,6 +56,10 @@ def read_committed_manifest(store: Store, step_dir: str) -> Manifest:
         marker_raw = store.read_bytes(layout.join(step_dir, layout.COMMIT_MARKER_NAME))
     except FileNotFoundError as exc:
         raise IncompleteCheckpointError(f"{where} has no {layout.COMMIT_MARKER_NAME} marker: the save never finished") from exc
+    if not marker_raw:
+        raise IncompleteCheckpointError(
+            f"{where}/{layout.COMMIT_MARKER_NAME} is empty: the save was killed while committing; the step is not a checkpoint"
+        )
     try:
         marker = json.loads(marker_raw)
         expected = marker["manifest_checksum"]
@@ -87,7 +100,8 @@ def committed_steps(store: Store) -> list[int]:
 
     One recursive prefix listing (``fs.find``), retried under ``store.retry``: on S3/GCS that is one
     paginated LIST of the prefix (1,000 keys a request), instead of a HEAD per step directory or a
-    glob, which fsspec turns into one listing per directory. Only ``<root>/step-N/COMMITTED`` counts.
+    glob, which fsspec turns into one listing per directory. Only a non-empty
+    ``<root>/step-N/COMMITTED`` counts (see :func:`is_committed`).
     """
     return store.retry.call(_committed_steps_once, store, describe=f"list {store.display()}")
 
@@ -97,14 +111,15 @@ def _committed_steps_once(store: Store) -> list[int]:
     if not store.is_local:
         store.fs.invalidate_cache(root)
     try:
-        hits = store.fs.find(root)
+        hits = store.fs.find(root, detail=True)
     except FileNotFoundError:
         return []
     steps = set()
-    for hit in hits:
+    for hit, info in hits.items():
         rel = store.fs._strip_protocol(hit).rstrip("/")[len(root):].strip("/")
         parts = rel.split("/")
-        if len(parts) == 2 and parts[1] == layout.COMMIT_MARKER_NAME:
+        # an empty marker is a save killed while committing (see is_committed): not committed
+        if len(parts) == 2 and parts[1] == layout.COMMIT_MARKER_NAME and info.get("size", 1) != 0:
             step = layout.parse_step_dir_name(parts[0])
             if step is not None:
                 steps.add(step)

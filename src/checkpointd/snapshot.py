@@ -36,6 +36,9 @@ import torch
 logger = logging.getLogger("checkpointd")
 
 ALIGN_BYTES = 64
+DEVICE_PACE_BYTES = 512 << 20
+"""Device staging: bytes of device-to-host copy queued per training-thread hook (two per step), so a
+step's share of the copy runs under its own compute instead of delaying a later synchronisation."""
 TensorSpec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
@@ -137,31 +140,58 @@ class PendingCopies:
         self.all_done: Any = None
         self.waited_buffers = False
         self.waited_all = False
+        self._started = False
         self.enqueued = threading.Event()
         if not self._pairs:
             self.enqueued.set()
 
-    def enqueue(self) -> None:
-        """Queue the copies on the side stream (once), ordered after the save point."""
+    def enqueue(self, max_bytes: int | None = None) -> None:
+        """Queue the copies on the side stream, ordered after the save point.
+
+        Args:
+            max_bytes: for copies from a private device-staging buffer, queue at most this many bytes
+                now (paced over the next steps so each step's copy hides under its compute); None
+                queues everything left. Copies from live tensors are always queued at once.
+        """
         if self.enqueued.is_set():
             return
         with self._lock:
             if self.enqueued.is_set():
                 return
             assert self._snap is not None and self._device is not None
+            if not self.private_source:
+                max_bytes = None
             stream = self._snap._side_stream(self._device)
             with torch.cuda.device(self._device), torch.cuda.stream(stream), torch.no_grad():
-                stream.wait_event(self._save_point)
-                groups = ((self._pairs[: self._n_buffers], "buffers_done"), (self._pairs[self._n_buffers :], "all_done"))
-                for group, attr in groups:
-                    for src, dst in group:
-                        dst.copy_(src, non_blocking=True)
-                        src.record_stream(stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    setattr(self, attr, event)
-            self._pairs = []
-            self.enqueued.set()
+                if not self._started:
+                    stream.wait_event(self._save_point)
+                    self._started = True
+                if self._n_buffers:
+                    self._copy(self._pairs[: self._n_buffers], stream)
+                    self.buffers_done = self._record(stream)
+                    self._pairs, self._n_buffers = self._pairs[self._n_buffers :], 0
+                taken, nbytes = 0, 0
+                while taken < len(self._pairs) and (max_bytes is None or nbytes < max_bytes or taken == 0):
+                    nbytes += self._pairs[taken][1].untyped_storage().nbytes()
+                    taken += 1
+                self._copy(self._pairs[:taken], stream)
+                self._pairs = self._pairs[taken:]
+                if not self._pairs:
+                    self.all_done = self._record(stream)
+            if not self._pairs:
+                self.enqueued.set()
+
+    @staticmethod
+    def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)
+
+    @staticmethod
+    def _record(stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def wait_host(self, grace_secs: float | None = None) -> None:
         """Block the calling thread until every copy landed in host memory.
@@ -354,9 +384,12 @@ class Snapshotter:
         current = torch.cuda.current_stream()
         still: list[PendingCopies] = []
         for c in self._inflight:
+            if c.private_source:  # training never waits for these; just keep them flowing
+                c.enqueue(max_bytes=DEVICE_PACE_BYTES)
+                if not c.enqueued.is_set():
+                    still.append(c)
+                continue
             c.enqueue()
-            if c.private_source:
-                c.waited_all = c.waited_buffers = True
             if all_copies:
                 if not c.waited_all and c.all_done is not None and not c.all_done.query():
                     current.wait_event(c.all_done)
@@ -366,7 +399,7 @@ class Snapshotter:
                     current.wait_event(c.buffers_done)
                 c.waited_buffers = True
                 still.append(c)
-        self._inflight = still if not all_copies else []
+        self._inflight = still if not all_copies else [c for c in still if c.private_source]
 
     def flush(self) -> None:
         """Queue every pending copy now (before the next save point, or before waiting)."""

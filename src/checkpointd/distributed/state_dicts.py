@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import StateMismatchError
+from ..state import unwrap_module
 from .sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module")
@@ -119,7 +120,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
     saved_groups = stored.get("param_groups", [])
     if len(saved_groups) != len(optimizer.param_groups):
         raise StateMismatchError(f"{where}: {len(optimizer.param_groups)} live param groups, {len(saved_groups)} saved")
-    fqn_of = {id(p): clean_fqn(n) for n, p in model.named_parameters()} if model is not None else {}
+    fqn_of = {id(p): clean_fqn(n) for n, p in unwrap_module(model).named_parameters()} if model is not None else {}
     param_of: dict[Any, torch.nn.Parameter] = {}
     for i, (sg, lg) in enumerate(zip(saved_groups, optimizer.param_groups)):
         if len(sg["params"]) != len(lg["params"]):
