@@ -108,6 +108,10 @@ class CheckpointManager:
         device_staging_budget_bytes: opt-in device staging: when the CUDA tensors of a save fit in
             this many bytes of GPU memory, they are first cloned into a reused GPU buffer (~2 TB/s), so
             training never waits for the device-to-host copy. Costs that much GPU memory.
+        local_dir: two tiers (see ``tiers.py``): commit every save on this local directory first,
+            then upload it to ``root`` in the background; ``restore_latest`` prefers a verified local copy.
+        save_on_signals: True (SIGTERM and SIGUSR1) or signal numbers: on such a signal the next
+            ``maybe_save`` saves whatever the schedule says (see ``preemption.py``); main thread only.
         dist_timeout_secs: under torch.distributed, how long a rank waits for the others in the
             manager's own coordination (a dead rank fails the save after this, instead of hanging).
     """
@@ -134,6 +138,8 @@ class CheckpointManager:
         file_threads: int | None = None,
         dist_timeout_secs: float = 600.0,
         device_staging_budget_bytes: int | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        save_on_signals: bool | Iterable[int] = False,
     ) -> None:
         if mode not in _VALID_MODES:
             raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
@@ -152,6 +158,10 @@ class CheckpointManager:
         self._overwrite = bool(overwrite)
         self._max_pending = max_pending
         self._store = _open_store(root, storage_options, retry_timeout_secs)
+        self._remote: Store | None = None
+        if local_dir is not None:  # two tiers: saves commit on local disk, the uploader copies them to root
+            self._remote = self._store
+            self._store = _open_store(local_dir, None, retry_timeout_secs)
         self._entries = build_entries(state, _physicsnemo_detector())
         self._dist = _distributed_runtime(self._entries, mode, dist_timeout_secs)
         self._closed = False
@@ -171,6 +181,21 @@ class CheckpointManager:
                         else self._dist.make_writer(self._store, self._codec, threads))
         self._hooks: list[Any] = []
         self._opt_state_sizes: dict[int, int] = {}
+        self._uploader: Any = None
+        if self._remote is not None:
+            if self._dist is not None:
+                raise ConfigError("local_dir (two tiers) is for single-process runs; under torch.distributed save to root")
+            from .tiers import Uploader
+
+            self._uploader = Uploader(self._store, self._remote, self._retention, file_threads=threads,
+                                      on_uploaded=self._after_upload)
+            self._uploader.resume_pending()
+        self._preemption: Any = None
+        from .preemption import PreemptionWatcher, resolve_signals
+
+        signals = resolve_signals(save_on_signals)
+        if signals:
+            self._preemption = PreemptionWatcher(signals)
         self._install_hooks()
         self._prepare_buffers()
 
@@ -192,7 +217,8 @@ class CheckpointManager:
         self._raise_failures()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        due = force or self._schedule.is_due(step)
+        preempted = self._preemption is not None and self._preemption.save_pending
+        due = force or preempted or self._schedule.is_due(step)
         if self._dist is not None and not force:  # rank 0 decides time-based saves for every rank
             due = self._dist.is_due(due, time_based=self._schedule.every_n_seconds is not None)
         if not due:
@@ -201,6 +227,9 @@ class CheckpointManager:
             if step in self._inflight_steps:
                 return False
             already = step in self._committed_steps()
+        if preempted and already and not force and not self._overwrite:
+            self._preemption.save_pending = False  # this step is saved already: nothing more to do
+            return False
         if already and not self._overwrite:
             raise StepAlreadyExistsError(
                 f"step {step} is already committed at {self._store.display(layout.step_dir_name(step))}; "
@@ -219,6 +248,8 @@ class CheckpointManager:
         # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
         while len(self._pending) >= self._max_pending:
             self._wait_job(self._pending[0], timeout=None)
+        if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
+            self._uploader.wait_backlog(self._max_pending)
         self._raise_failures()
         job = self._stage(step, files, clean, locations, extra)
         self._stats.snapshot_secs_last = time.perf_counter() - t0
@@ -229,6 +260,9 @@ class CheckpointManager:
             self._inflight_steps.add(step)
         self._writer.submit(job)
         self._schedule.mark_saved()
+        if preempted:
+            self._preemption.save_pending = False
+            logger.warning("checkpointd: %s received; saving step %d now", self._preemption.received.name, step)
         return True
 
     def save(self, step: int, *, metrics: Mapping[str, Any] | None = None) -> None:
@@ -308,7 +342,9 @@ class CheckpointManager:
                     self._committed.discard(layout.parse_step_dir_name(step_dir) or -1)
 
     def _after_commit(self, job: SaveJob) -> None:
-        """On the committer thread: record the commit, then apply retention."""
+        """On the committer thread: record the commit, queue its upload (two tiers), then apply retention."""
+        if self._uploader is not None:
+            self._uploader.submit(job.step)
         with self._lock:
             if self._committed is not None:
                 self._committed.add(job.step)
@@ -322,11 +358,19 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - retention failing must not fail a committed save
             logger.warning("checkpointd: retention after step %d failed: %s", job.step, exc)
 
+    def _after_upload(self, step: int) -> None:
+        """On the uploader thread (two tiers): local retention again, now that ``step`` is uploaded."""
+        last = self._last_committed
+        if last is not None:
+            self._apply_retention(last)
+
     def _apply_retention(self, just_committed: int) -> None:
         dirs = commit.list_step_dirs(self._store)
         committed = commit.committed_steps(self._store)
         with self._lock:
             inflight = set(self._inflight_steps) - {just_committed}
+        if self._uploader is not None:
+            inflight |= self._uploader.pending_steps()  # never delete a step before its upload
         metrics = self._metrics_for(committed) if self._retention.needs_metrics else None
         keep = self._retention.steps_to_keep(committed, metrics)
         for s in committed:
@@ -371,7 +415,15 @@ class CheckpointManager:
                 break
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._wait_job(job, remaining)
+        if self._uploader is not None:
+            self._raise_failures()  # a local failure first: its step will never be uploaded
+            self._uploader.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_failures()
+
+    @property
+    def preempted(self) -> bool:
+        """True once a signal of ``save_on_signals`` arrived: save (the next ``maybe_save`` does), close, exit."""
+        return self._preemption is not None and self._preemption.received is not None
 
     def wait_for_snapshot(self) -> None:
         """Block until the in-flight snapshot copies are in host memory.
@@ -416,6 +468,16 @@ class CheckpointManager:
 
     def _raise_failures(self) -> None:
         self._reap()
+        upload_failure = self._uploader.pop_failure() if self._uploader is not None else None
+        if upload_failure is not None:
+            step, exc = upload_failure
+            raise CheckpointWriteError(
+                f"upload of step {step} to {self._remote.display(layout.step_dir_name(step))} failed: "  # type: ignore[union-attr]
+                f"{type(exc).__name__}: {exc}. The step is committed locally at "
+                f"{self._store.display(layout.step_dir_name(step))}, not remotely; earlier uploads are intact."
+                f"{_failure_hint(exc)}",
+                step=step,
+            ) from exc
         with self._lock:
             if not self._failures:
                 return
@@ -431,7 +493,9 @@ class CheckpointManager:
     # restoring and listing
     # ------------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending (marker present; no data read)."""
+        """Committed steps, ascending (marker present; no data read); with two tiers, on either tier."""
+        if self._remote is not None:
+            return sorted(set(commit.committed_steps(self._store)) | set(commit.committed_steps(self._remote)))
         return commit.committed_steps(self._store)
 
     def latest_step(self) -> int | None:
@@ -446,6 +510,10 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        if self._remote is not None:
+            from .tiers import restore_latest_two_tier
+
+            return restore_latest_two_tier(self._store, self._remote, self._restore_step)
         steps = self.steps() if self._dist is None else self._dist.agree(self.steps())  # rank 0's listing
         if not steps:
             return None
@@ -466,26 +534,30 @@ class CheckpointManager:
         """Restore exactly ``step`` in place (verified first)."""
         self._check_open()
         self.wait()
-        if not commit.is_committed(self._store, layout.step_dir_name(step)):
+        store = self._store
+        if self._remote is not None and not commit.is_committed(store, layout.step_dir_name(step)):
+            store = self._remote  # two tiers: the local copy is gone (retention, another node): remote
+        if not commit.is_committed(store, layout.step_dir_name(step)):
             raise CheckpointNotFoundError(
-                f"step {step} is not committed under {self._store.display()} (committed: {self.steps()[-10:]})"
+                f"step {step} is not committed under {store.display()} (committed: {self.steps()[-10:]})"
             )
-        self._restore_step(step)
+        self._restore_step(step, store)
 
-    def _restore_step(self, step: int) -> None:
+    def _restore_step(self, step: int, store: Store | None = None) -> None:
         step_dir = layout.step_dir_name(step)
+        store = self._store if store is None else store
         if self._dist is not None:  # every rank verifies, they agree, each loads its part in place
-            self._dist.restore_step(self._store, step_dir)
+            self._dist.restore_step(store, step_dir)
             self._schedule.mark_saved()
             return
-        manifest = commit.read_committed_manifest(self._store, step_dir)
+        manifest = commit.read_committed_manifest(store, step_dir)
         if manifest.mode == "sharded":  # a sharded (distributed) save, restored whole into this process
             from .distributed.assemble import assemble_full_values
 
-            contents = restore_mod.read_step(self._store, step_dir, manifest, rank=None)
+            contents = restore_mod.read_step(store, step_dir, manifest, rank=None)
             values = assemble_full_values(manifest, contents)
         else:
-            contents = restore_mod.read_step(self._store, step_dir, manifest)
+            contents = restore_mod.read_step(store, step_dir, manifest)
             values = restore_mod.values_by_entry(manifest, contents)
         restore_mod.check_compatible(self._entries, values, step)
         for e in self._entries:
@@ -535,6 +607,10 @@ class CheckpointManager:
 
     def _shutdown(self) -> None:
         self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        if self._uploader is not None:
+            self._uploader.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -604,7 +680,9 @@ class CheckpointManager:
         for f in files:
             copy_tree(f.tree, collect)
         order, _ = self._buffers_first(specs)
-        self._snap.prepare_async([tensor_spec(specs[i]) for i in order])
+        cuda_mask = [specs[i].device.type == "cuda" for i in order]
+        cuda_device = next((specs[i].device for i in order if specs[i].device.type == "cuda"), None)
+        self._snap.prepare_async([tensor_spec(specs[i]) for i in order], cuda_device, cuda_mask)
 
 
 def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:

@@ -236,26 +236,54 @@ class Snapshotter:
         self.arena_allocations = 0
 
     # -- arenas ----------------------------------------------------------------------------------
-    def prepare_async(self, specs: Sequence[TensorSpec]) -> None:
-        """Allocate (and pin) an arena for ``specs`` on a background thread, if none fits yet."""
+    def prepare_async(self, specs: Sequence[TensorSpec], cuda_device: torch.device | None = None,
+                      cuda_mask: Sequence[bool] = ()) -> None:
+        """Allocate (and pin) an arena for ``specs`` on a background thread, if none fits yet.
+
+        With device staging on, also allocate the GPU staging buffer for the specs flagged in
+        ``cuda_mask`` (on ``cuda_device``), so the first save pays no allocation either.
+        """
         key = tuple(specs)
+        device_key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if on_cuda)
         with self._lock:
             if key in self._preparing or any(a.specs == key for a in self._arenas):
                 return
-            thread = threading.Thread(target=self._prepare, args=(key,), name="checkpointd-arena", daemon=True)
+            thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device),
+                                      name="checkpointd-arena", daemon=True)
             self._preparing[key] = thread
         thread.start()
 
-    def _prepare(self, key: tuple[TensorSpec, ...]) -> None:
+    def _prepare(self, key: tuple[TensorSpec, ...], device_key: tuple[TensorSpec, ...] = (),
+                 cuda_device: torch.device | None = None) -> None:
         try:
             arena = StagingArena(key, pin=self.cuda)
             with self._lock:
                 self._add_arena(arena)
+            if device_key and cuda_device is not None and self.device_budget_bytes is not None:
+                with torch.cuda.device(cuda_device):
+                    self._ensure_device_arena(device_key, cuda_device)
         except Exception as exc:  # pragma: no cover - allocation failure: the save path retries synchronously
             logger.warning("checkpointd: preparing staging buffers failed: %s", exc)
         finally:
             with self._lock:
                 self._preparing.pop(key, None)
+
+    def _ensure_device_arena(self, key: tuple[TensorSpec, ...], device: torch.device) -> list[torch.Tensor] | None:
+        """The reused GPU staging buffers for ``key``; None when they would exceed the budget."""
+        assert self.device_budget_bytes is not None
+        arena = self._device_arena
+        if arena is not None and arena[0] == key:
+            return arena[1]
+        nbytes = sum(_span_elems(sh, st) * dt.itemsize for sh, st, dt in key)
+        if nbytes > self.device_budget_bytes:
+            if not self._warned_budget:
+                logger.warning("checkpointd: %d bytes of CUDA state exceed device_staging_budget_bytes=%d; "
+                               "staging through host memory", nbytes, self.device_budget_bytes)
+                self._warned_budget = True
+            return None
+        buffers = [torch.empty_strided(sh, st, dtype=dt, device=device) for sh, st, dt in key]
+        self._device_arena = (key, buffers)
+        return buffers
 
     def _add_arena(self, arena: StagingArena) -> None:
         self.arena_allocations += 1
@@ -345,17 +373,9 @@ class Snapshotter:
         """
         if self.device_budget_bytes is None:
             return None
-        key = tuple(specs)
-        if self._device_arena is None or self._device_arena[0] != key:
-            nbytes = sum(_span_elems(sh, st) * dt.itemsize for sh, st, dt in key)
-            if nbytes > self.device_budget_bytes:
-                if not self._warned_budget:
-                    logger.warning("checkpointd: %d bytes of CUDA state exceed device_staging_budget_bytes=%d; staging through host memory",
-                                   nbytes, self.device_budget_bytes)
-                    self._warned_budget = True
-                return None
-            self._device_arena = (key, [torch.empty_strided(sh, st, dtype=dt, device=device) for sh, st, dt in key])
-        buffers = self._device_arena[1]
+        buffers = self._ensure_device_arena(tuple(specs), device)
+        if buffers is None:
+            return None
         current = torch.cuda.current_stream(device)
         if self._last_device_copies is not None and self._last_device_copies.all_done is not None:
             current.wait_event(self._last_device_copies.all_done)  # the previous D2H still reads these buffers
