@@ -108,8 +108,8 @@ def test_marker_write_failing_on_s3_commits_nothing(s3_root, s3_storage_options)
 
 
 def _make_thousand_steps(root: str, opts: dict[str, Any], n: int) -> None:
-    """Steps 0..n-1 committed: 0, ``n // 2`` and n-1 saved by the manager; the others are marker and
-    manifest only (committed, listed, never read), written in one concurrent PUT batch."""
+    """Steps 0..n-1 committed: 0 and n-1 saved by the manager, ``n // 2`` a full copy of step 0, the
+    others marker and manifest only (committed, listed, never read), written in one concurrent PUT batch."""
     state = {"t": torch.zeros(4), "meta": {"step": 0}}
     with CheckpointManager(root, state, storage_options=opts, keep_last=None, compression=None) as mgr:
         mgr.save(0)

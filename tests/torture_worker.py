@@ -140,7 +140,8 @@ class TrialResult:
 
 def forkserver_context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "checkpointd", "torture_worker"])
+    # torch._dynamo: the optimizer's first step() imports it (~2 s); import it once in the server
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "checkpointd", "torture_worker"])
     return ctx
 
 

@@ -1,0 +1,164 @@
+"""Fast restore of local files (``fastload``): verified parallel reads, tensors built in place."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, fastload, restore
+from checkpointd.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+
+def _train_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 500), torch.nn.ReLU(), torch.nn.Linear(500, 9))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _snapshot(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())})
+
+
+def _same(model, opt, ref) -> bool:
+    ms, os_ = _snapshot(model, opt)
+    return all(torch.equal(ms[k], v) for k, v in ref[0].items()) and all(
+        torch.equal(os_[i][k], v) for i, s in ref[1].items() for k, v in s.items())
+
+
+def _scramble(model, opt) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+        for s in opt.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    v.fill_(7.0)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "zstd-planes"])
+def test_restore_is_bit_exact_and_uses_the_fast_path(tmp_path, monkeypatch, compression) -> None:
+    model, opt = _train_state()
+    ref = _snapshot(model, opt)
+    calls = []
+    real = fastload.load_native_in_place
+    monkeypatch.setattr(fastload, "load_native_in_place", lambda buf, fmt: calls.append(fmt) or real(buf, fmt))
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=compression) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        _scramble(model, opt)
+        assert mgr.restore_latest() == 1
+    assert _same(model, opt, ref)
+    assert calls, "the in-place loader ran"
+
+
+def test_plain_and_fast_paths_agree(tmp_path, monkeypatch) -> None:
+    model, opt = _train_state()
+    ref = _snapshot(model, opt)
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        monkeypatch.setenv(restore.FAST_READ_ENV, "0")
+        _scramble(model, opt)
+        mgr.restore(1)
+        assert _same(model, opt, ref)
+        monkeypatch.setenv(restore.FAST_READ_ENV, "1")
+        _scramble(model, opt)
+        mgr.restore(1)
+        assert _same(model, opt, ref)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_corrupted_byte_is_refused_before_anything_is_applied(tmp_path, compression) -> None:
+    model, opt = _train_state()
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=compression) as mgr:
+        mgr.save(1)
+        mgr.wait()
+    step_dir = tmp_path / "step-000000001"
+    files = sorted(f for f in step_dir.iterdir() if f.name not in ("manifest.json", "COMMITTED"))
+    victim = max(files, key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    _scramble(model, opt)
+    scrambled = _snapshot(model, opt)
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=compression) as mgr:
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(1)
+    assert _same(model, opt, scrambled), "nothing was applied"
+
+
+def test_truncated_file_is_refused(tmp_path) -> None:
+    model, opt = _train_state()
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        victim = max((f for f in (tmp_path / "step-000000001").iterdir()), key=lambda f: f.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[:-10])
+        with pytest.raises(CorruptCheckpointError, match="bytes"):
+            mgr.restore(1)
+
+
+def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(fastload, "READ_CHUNK_BYTES", 100_000)
+    data = os.urandom(1_234_567)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob")
+    assert size == len(data) and bytes(buf.numpy()) == data
+    assert checksum == f"crc32:{zlib.crc32(data):08x}"
+
+
+def test_in_place_tensors_view_the_buffer_and_mdlus_member() -> None:
+    obj = {"a": torch.randn(1000), "b": torch.arange(5)}
+    raw = io.BytesIO()
+    torch.save(obj, raw)  # a torch-written file loads in place too
+    buf = torch.frombuffer(bytearray(raw.getvalue()), dtype=torch.uint8)
+    back = fastload.load_native_in_place(buf, "pt")
+    assert torch.equal(back["a"], obj["a"]) and torch.equal(back["b"], obj["b"])
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert lo <= back["a"].data_ptr() < hi, "no copy of the record"
+    outer = io.BytesIO()
+    with zipfile.ZipFile(outer, "w") as zf:
+        zf.writestr("args.json", "{}")
+        zf.writestr("metadata.json", "{}")
+        zf.writestr("model.pt", raw.getvalue())
+    mbuf = torch.frombuffer(bytearray(outer.getvalue()), dtype=torch.uint8)
+    back = fastload.load_native_in_place(mbuf, "mdlus")
+    assert torch.equal(back["a"], obj["a"])
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_unsafe_pickle_is_refused_through_the_fast_path(tmp_path) -> None:
+    """A crafted data.pkl in a locally stored file never runs, and the error says unsafe."""
+    raw = io.BytesIO()
+    torch.save({"x": torch.ones(2)}, raw)
+    src = zipfile.ZipFile(io.BytesIO(raw.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for info in src.infolist():
+            payload = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                payload = pickle.dumps({"x": _Evil()}, protocol=2)
+            zf.writestr(info.filename, payload)
+    data = out.getvalue()
+    p = tmp_path / "evil.pt"
+    p.write_bytes(data)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with pytest.raises(Exception):
+        fastload.load_native_in_place(buf, "pt")
+    with pytest.raises(UnsafeCheckpointError):
+        restore.load_native(fastload.BufferReader(memoryview(buf.numpy())), "pt", "evil.pt")
