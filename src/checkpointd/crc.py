@@ -16,7 +16,6 @@ import ctypes
 import ctypes.util
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any
 
 
 def _fast_crc32() -> tuple[Callable[..., int], str]:

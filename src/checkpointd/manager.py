@@ -4,31 +4,36 @@ A save, in order (``maybe_save`` on the training thread, then the background wri
 
 1. ``policy.SaveSchedule``   is this step due?
 2. ``state.build_files``     state dicts -> one tree per file of SPEC §3, validated (bad state raises here)
-3. ``snapshot.Snapshotter``  tensors -> reused (pinned) CPU buffers; on CUDA queued on a side stream
+3. ``savejob.stage_save``    tensors -> ``snapshot.Snapshotter``: reused (pinned) CPU buffers; on CUDA the
+                             copies go on a side stream; returns the background job
    --- ``maybe_save`` returns here; the rest runs on the committer thread (``writer.py``) ---
-4. ``serialize.plan_pt``     pickle each tree; ``serialize.write_pt`` -> ``compress`` -> ``checksum`` -> ``storage``
+4. ``serialize.plan_pt``     pickle each tree; ``writer.write_one_file``: ``serialize``/``ptlayout`` ->
+                             ``compress`` -> checksum -> ``storage``
 5. ``commit``                manifest.json, then COMMITTED, written last
-6. ``policy.RetentionPolicy`` which committed steps to delete; uncommitted leftovers removed
+6. ``retention``             ``policy.RetentionPolicy`` decides; committed steps it drops and uncommitted
+                             leftovers are deleted (marker first)
 
-Restore goes ``commit.read_committed_manifest`` -> ``restore.read_step`` (verify, decode) -> ``restore.apply_entry``.
+Restore goes ``commit.read_committed_manifest`` -> ``restore.read_step`` (verify, decode) ->
+``restore.check_compatible`` -> ``restore.apply_entry``. Distributed runs (``distributed/``) and two tiers
+(``tiers.py``) plug into the same path; ``preemption.py`` turns signals into a forced save.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-import math
 import os
 import threading
 import time
 import warnings
 from collections import deque
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import __version__, commit, layout, restore as restore_mod
+from . import commit, layout, restore as restore_mod
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -40,40 +45,19 @@ from .errors import (
     ManifestError,
     StepAlreadyExistsError,
 )
-from .manifest import EntryLocation, Manifest
 from .policy import RetentionPolicy, SaveSchedule
+from .retention import MetricsCache, apply_retention
+from .retry import RetryPolicy
 from .rng import capture_rng, restore_rng
-from .serialize import plan_pt
-from .snapshot import Snapshotter, tensor_spec
-from .state import (
-    DeferredScalar,
-    FileContent,
-    build_entries,
-    build_files,
-    clean_metrics,
-    copy_tree,
-    resolve_deferred,
-    unwrap_module,
-)
+from .savejob import stage_save, staging_layout
+from .snapshot import Snapshotter
+from .state import build_entries, build_files, clean_metrics
 from .storage import Store
-from .writer import BackgroundWriter, FileJob, SaveJob
+from .writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
 _VALID_MODES = ("full", "sharded")
-_ENQUEUE_GRACE_SECS = 2.0
-"""How long the writer lets the training thread's hooks queue a snapshot's copies before queueing them itself."""
-
-
-class _Slot:
-    """Placeholder for the i-th staged tensor inside a tree skeleton."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
 @dataclass
 class _Stats:
     saves_started: int = 0
@@ -169,7 +153,8 @@ class CheckpointManager:
         self._pending: deque[SaveJob] = deque()
         self._inflight_steps: set[int] = set()
         self._committed: set[int] | None = None
-        self._metrics: dict[int, dict[str, Any]] = {}
+        self._metrics = MetricsCache(self._store)
+        self._failures: list[tuple[SaveJob, BaseException]] = []
         self._stats = _Stats()
         self._last_job: SaveJob | None = None
         self._last_committed: int | None = None
@@ -251,7 +236,11 @@ class CheckpointManager:
         if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
             self._uploader.wait_backlog(self._max_pending)
         self._raise_failures()
-        job = self._stage(step, files, clean, locations, extra)
+        job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
+                         mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
+                         codec_name=self._codec.name, locations=locations, extra=extra,
+                         clear_step_dir=self._clear_step_dir)
+        job.after_commit = self._after_commit
         self._stats.snapshot_secs_last = time.perf_counter() - t0
         self._stats.snapshot_secs_total += self._stats.snapshot_secs_last
         self._stats.saves_started += 1
@@ -268,67 +257,6 @@ class CheckpointManager:
     def save(self, step: int, *, metrics: Mapping[str, Any] | None = None) -> None:
         """``maybe_save(step, force=True)``."""
         self.maybe_save(step, metrics=metrics, force=True)
-
-    def _stage(self, step: int, files: list[FileContent], metrics: dict[str, Any],
-               locations: dict[str, EntryLocation] | None, extra: dict[str, Any]) -> SaveJob:
-        """Snapshot every tensor of ``files`` and build the background job around the copies."""
-        tensors: list[torch.Tensor] = []
-        index: dict[tuple[Any, ...], int] = {}
-
-        def collect(t: torch.Tensor) -> _Slot:
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-            if t.data_ptr() == 0 or key not in index:
-                index[key] = len(tensors)
-                tensors.append(t)
-            return _Slot(index[key])
-
-        skeletons = [copy_tree(f.tree, collect) for f in files]
-        order, n_buffers = self._buffers_first(tensors)
-        staged_in_order = self._snap.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
-        staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for pos, i in enumerate(order):
-            staged[i] = staged_in_order.staged[pos]
-        step_dir = layout.step_dir_name(step)
-        manifest = Manifest(step=step, time=time.time(), world_size=1 if self._dist is None else self._dist.world_size,
-                            mode=self._mode, codec=self._codec.name,
-                            library_version=__version__, torch_version=torch.__version__, metrics=metrics,
-                            entries=self._entry_locations(files) if locations is None else locations,
-                            extra=extra)
-        job = SaveJob(step=step, step_dir=step_dir, files=[], manifest=manifest,
-                      before_write=lambda: None, after_files=lambda: self._snap.release(staged_in_order))
-
-        def before_write() -> None:
-            staged_in_order.copies.wait_host(grace_secs=_ENQUEUE_GRACE_SECS)
-            self._clear_step_dir(step_dir)
-            for f, skel in zip(files, skeletons):
-                tree = resolve_deferred(_fill_slots(skel, staged))
-                plan = plan_pt(tree)
-                dtypes = {key: holder_dtype for key, holder_dtype in _record_dtypes(tree, plan).items()}
-                job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=dtypes,
-                                         json_members=f.json_members, rank=f.rank))
-
-        job.before_write = before_write
-        job.after_commit = self._after_commit
-        return job
-
-    def _entry_locations(self, files: list[FileContent]) -> dict[str, EntryLocation]:
-        by_name = {e.name: e for e in self._entries}
-        out: dict[str, EntryLocation] = {}
-        for f in files:
-            for name in f.entry_names:
-                e = by_name[name]
-                out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=e.class_name)
-        return out
-
-    def _buffers_first(self, tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-        """Indices with the registered modules' CUDA buffers first (the next forward waits only for those)."""
-        ptrs: set[int] = set()
-        for e in self._entries:
-            if e.kind == "module":
-                ptrs.update(b.data_ptr() for b in e.obj.buffers() if b.device.type == "cuda")
-        first = [i for i, t in enumerate(tensors) if t.device.type == "cuda" and t.data_ptr() in ptrs]
-        chosen = set(first)
-        return first + [i for i in range(len(tensors)) if i not in chosen], len(first)
 
     def _clear_step_dir(self, step_dir: str) -> None:
         """Remove an uncommitted leftover (or, with overwrite=True, the old commit) before writing."""
@@ -348,7 +276,7 @@ class CheckpointManager:
         with self._lock:
             if self._committed is not None:
                 self._committed.add(job.step)
-            self._metrics[job.step] = dict(job.manifest.metrics)
+            self._metrics.record(job.step, job.manifest.metrics)
             self._last_committed = job.step if self._last_committed is None else max(self._last_committed, job.step)
             if self._dist is not None and not self._dist.is_rank0:
                 self._committed = None  # rank 0 applied retention; re-list on the next check
@@ -365,36 +293,14 @@ class CheckpointManager:
             self._apply_retention(last)
 
     def _apply_retention(self, just_committed: int) -> None:
-        dirs = commit.list_step_dirs(self._store)
-        committed = commit.committed_steps(self._store)
         with self._lock:
-            inflight = set(self._inflight_steps) - {just_committed}
+            protected = set(self._inflight_steps) - {just_committed}
         if self._uploader is not None:
-            inflight |= self._uploader.pending_steps()  # never delete a step before its upload
-        metrics = self._metrics_for(committed) if self._retention.needs_metrics else None
-        keep = self._retention.steps_to_keep(committed, metrics)
-        for s in committed:
-            if s not in keep and s not in inflight and s != max(committed):
-                commit.uncommit_and_remove(self._store, dirs.get(s, layout.step_dir_name(s)))
-                with self._lock:
-                    if self._committed is not None:
-                        self._committed.discard(s)
-        committed_set = set(committed)
-        for s, name in dirs.items():
-            if s not in committed_set and s not in inflight and s < just_committed:
-                self._store.remove_tree(name)
-
-    def _metrics_for(self, steps: list[int]) -> dict[int, dict[str, Any]]:
-        out = {}
-        for s in steps:
-            if s not in self._metrics:
-                try:
-                    self._metrics[s] = commit.read_committed_manifest(self._store, layout.step_dir_name(s)).metrics
-                except CheckpointError as exc:
-                    logger.warning("checkpointd: cannot read metrics of step %d: %s", s, exc)
-                    self._metrics[s] = {}
-            out[s] = self._metrics[s]
-        return out
+            protected |= self._uploader.pending_steps()  # never delete a step before its upload
+        deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics)
+        with self._lock:
+            if self._committed is not None:
+                self._committed.difference_update(deleted)
 
     # ------------------------------------------------------------------------------------------
     # waiting and failures
@@ -459,12 +365,6 @@ class CheckpointManager:
                 else:
                     self._stats.saves_failed += 1
                     self._failures.append((job, exc))
-
-    @property
-    def _failures(self) -> list[tuple[SaveJob, BaseException]]:
-        if not hasattr(self, "_failure_list"):
-            self._failure_list: list[tuple[SaveJob, BaseException]] = []
-        return self._failure_list
 
     def _raise_failures(self) -> None:
         self._reap()
@@ -550,18 +450,7 @@ class CheckpointManager:
             self._dist.restore_step(store, step_dir)
             self._schedule.mark_saved()
             return
-        manifest = commit.read_committed_manifest(store, step_dir)
-        if manifest.mode == "sharded":  # a sharded (distributed) save, restored whole into this process
-            from .distributed.assemble import assemble_full_values
-
-            contents = restore_mod.read_step(store, step_dir, manifest, rank=None)
-            values = assemble_full_values(manifest, contents)
-        else:
-            contents = restore_mod.read_step(store, step_dir, manifest)
-            values = restore_mod.values_by_entry(manifest, contents)
-        restore_mod.check_compatible(self._entries, values, step)
-        for e in self._entries:
-            restore_mod.apply_entry(e, values[e.name])
+        manifest, contents = restore_mod.restore_in_place(store, step_dir, self._entries)
         rng = restore_mod.rng_of(manifest, contents)
         if rng is not None and manifest.world_size == 1:  # per-rank RNG of a distributed run: see distributed/runtime.py
             restore_rng(rng)
@@ -668,51 +557,7 @@ class CheckpointManager:
             files = build_files(self._entries, 0, {}, capture_rng(), self._codec.suffix)
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
-        specs: list[Any] = []
-        seen: set[tuple[Any, ...]] = set()
-
-        def collect(t: torch.Tensor) -> None:
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-            if t.data_ptr() == 0 or key not in seen:
-                seen.add(key)
-                specs.append(t)
-
-        for f in files:
-            copy_tree(f.tree, collect)
-        order, _ = self._buffers_first(specs)
-        cuda_mask = [specs[i].device.type == "cuda" for i in order]
-        cuda_device = next((specs[i].device for i in order if specs[i].device.type == "cuda"), None)
-        self._snap.prepare_async([tensor_spec(specs[i]) for i in order], cuda_device, cuda_mask)
-
-
-def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return staged[obj.index]
-    if isinstance(obj, DeferredScalar):
-        return DeferredScalar(_fill_slots(obj.tensor, staged), obj.as_type)
-    if isinstance(obj, dict):
-        return type(obj)((k, _fill_slots(v, staged)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_fill_slots(v, staged) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(_fill_slots(v, staged) for v in obj)
-    return obj
-
-
-def _record_dtypes(tree: Any, plan: Any) -> dict[str, torch.dtype]:
-    """Element dtype of each storage record (for the codec's float-aware choice)."""
-    by_storage = {}
-    for key, holder in plan.storages:
-        by_storage[holder.untyped_storage()._cdata] = key
-    out: dict[str, torch.dtype] = {}
-
-    def visit(t: torch.Tensor) -> None:
-        key = by_storage.get(t.untyped_storage()._cdata)
-        if key is not None:
-            out[key] = t.dtype
-
-    copy_tree(tree, visit)
-    return out
+        self._snap.prepare_async(*staging_layout(self._entries, files))
 
 
 def _as_steps(at_steps: Iterable[int]) -> list[int]:
@@ -724,8 +569,6 @@ def _as_steps(at_steps: Iterable[int]) -> list[int]:
 
 def _failure_hint(exc: BaseException) -> str:
     """What to do about a background failure, for the causes that have an obvious remedy."""
-    import errno
-
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         return " The storage is full: free space (or lower keep_last) and the next save will succeed."
     if isinstance(exc, PermissionError):
@@ -736,14 +579,7 @@ def _failure_hint(exc: BaseException) -> str:
 def _open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_secs: float) -> Store:
     if not isinstance(root, (str, os.PathLike)):
         raise ConfigError(f"root must be a path or URL string, got {type(root).__name__}")
-    try:
-        from .retry import RetryPolicy
-
-        store = Store(root, storage_options, retry=RetryPolicy(max_elapsed_secs=retry_timeout_secs))
-    except ImportError:
-        store = Store(root, storage_options)
-    except TypeError:
-        store = Store(root, storage_options)
+    store = Store(root, storage_options, retry=RetryPolicy(max_elapsed_secs=retry_timeout_secs))
     if store.is_file(""):
         raise ConfigError(f"checkpoint root {store.display()} is a file; pass a directory (or a URL prefix)")
     return store
@@ -778,4 +614,4 @@ def _mdlus_members() -> Any:
         return None
 
 
-__all__ = ["CheckpointManager", "math", "unwrap_module", "Future"]
+__all__ = ["CheckpointManager"]

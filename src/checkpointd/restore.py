@@ -239,3 +239,27 @@ def match_optimizer_state_layout(optimizer: torch.optim.Optimizer) -> None:
                         fixed = torch.empty_like(p, dtype=v.dtype, device=v.device)
                         fixed.copy_(v)
                         st[k] = fixed
+
+
+def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple[Manifest, dict[str, Any]]:
+    """Verify and read one committed step, check it fits ``entries``, then load it into them.
+
+    Single-process path (a sharded checkpoint is assembled whole first). Nothing is applied unless
+    every file verified and every entry is compatible. Returns the manifest and decoded files (the
+    caller restores RNG from them).
+    """
+    from .commit import read_committed_manifest
+
+    manifest = read_committed_manifest(store, step_dir)
+    if manifest.mode == "sharded":  # a distributed save, restored whole into this process
+        from .distributed.assemble import assemble_full_values
+
+        contents = read_step(store, step_dir, manifest, rank=None)
+        values = assemble_full_values(manifest, contents)
+    else:
+        contents = read_step(store, step_dir, manifest)
+        values = values_by_entry(manifest, contents)
+    check_compatible(entries, values, manifest.step)
+    for e in entries:
+        apply_entry(e, values[e.name])
+    return manifest, contents

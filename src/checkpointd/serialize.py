@@ -22,7 +22,7 @@ import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import torch
 

@@ -25,19 +25,18 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from . import commit, layout
 from .checksum import ChecksumWriter
 from .errors import (
-    CheckpointError,
     CheckpointTimeoutError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
 )
+from .retention import MetricsCache, apply_retention
 from .manifest import FileEntry
 from .policy import RetentionPolicy
 from .storage import Store
@@ -77,7 +76,7 @@ class Uploader:
         self._active: int | None = None
         self._busy = False
         self._failures: list[tuple[int, BaseException]] = []
-        self._metrics: dict[int, dict[str, Any]] = {}
+        self._metrics = MetricsCache(remote)
         self._closed = False
         self.uploaded: list[int] = []
         """Steps uploaded by this uploader, in order."""
@@ -192,7 +191,7 @@ class Uploader:
         manifest = commit.read_committed_manifest(self.local, step_dir)  # raises if the local copy is not committed
         manifest_bytes = self.local.read_bytes(layout.join(step_dir, layout.MANIFEST_NAME))
         marker_bytes = self.local.read_bytes(layout.join(step_dir, layout.COMMIT_MARKER_NAME))
-        self._metrics[step] = dict(manifest.metrics)
+        self._metrics.record(step, manifest.metrics)
         if commit.is_committed(self.remote, step_dir):
             if self.remote.read_bytes(layout.join(step_dir, layout.COMMIT_MARKER_NAME)) == marker_bytes:
                 return  # uploaded before (a restart); the marker names the same manifest checksum
@@ -228,29 +227,7 @@ class Uploader:
             raise
 
     def _apply_remote_retention(self, just_uploaded: int) -> None:
-        committed = commit.committed_steps(self.remote)
-        if not committed:
-            return
-        pending = self.pending_steps() - {just_uploaded}
-        metrics = self._metrics_for(committed) if self.retention.needs_metrics else None
-        keep = self.retention.steps_to_keep(committed, metrics)
-        for s in committed:
-            if s not in keep and s not in pending and s != committed[-1]:
-                commit.uncommit_and_remove(self.remote, layout.step_dir_name(s))
-        committed_set = set(committed)
-        for s, name in commit.list_step_dirs(self.remote).items():
-            if s not in committed_set and s not in pending and s < just_uploaded:
-                self.remote.remove_tree(name)  # leftover of an upload that failed or was killed
-
-    def _metrics_for(self, steps: list[int]) -> Mapping[int, Mapping[str, Any]]:
-        for s in steps:
-            if s not in self._metrics:
-                try:
-                    self._metrics[s] = commit.read_committed_manifest(self.remote, layout.step_dir_name(s)).metrics
-                except CheckpointError as exc:
-                    logger.warning("checkpointd: cannot read metrics of remote step %d: %s", s, exc)
-                    self._metrics[s] = {}
-        return {s: self._metrics[s] for s in steps}
+        apply_retention(self.remote, self.retention, just_uploaded, self.pending_steps() - {just_uploaded}, self._metrics)
 
 
 def restore_latest_two_tier(local: Store, remote: Store, restore_from: Callable[[int, Store], None]) -> int | None:

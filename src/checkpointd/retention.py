@@ -1,0 +1,70 @@
+"""Applying retention: delete committed steps the policy drops, and uncommitted leftovers.
+
+The decision is the pure ``policy.RetentionPolicy``; this module does the I/O, on the committer
+thread, after a commit. Invariants (SPEC §2): only committed steps count; the newest committed step
+and every step in flight are never deleted; a committed step is deleted marker first
+(``commit.uncommit_and_remove``), so a crash mid-delete never leaves a "committed" husk; uncommitted
+directories are removed only below the step just committed (a higher one may belong to a save that
+another rank or process is still writing).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from . import commit, layout
+from .errors import CheckpointError
+from .policy import RetentionPolicy
+from .storage import Store
+
+logger = logging.getLogger("checkpointd")
+
+
+def apply_retention(store: Store, policy: RetentionPolicy, just_committed: int, protected: set[int],
+                    metrics_of: Callable[[list[int]], Mapping[int, Mapping[str, Any]]] | None = None) -> list[int]:
+    """Delete what ``policy`` drops under ``store``; returns the committed steps deleted.
+
+    Args:
+        just_committed: the step whose commit triggered this pass.
+        protected: steps in flight (or waiting for upload) that must survive whatever the policy says.
+        metrics_of: metrics per committed step, needed only by ``keep_best``.
+    """
+    dirs = commit.list_step_dirs(store)
+    committed = commit.committed_steps(store)
+    metrics = metrics_of(committed) if (policy.needs_metrics and metrics_of is not None) else None
+    keep = policy.steps_to_keep(committed, metrics)
+    newest = max(committed) if committed else None
+    deleted = []
+    for s in committed:
+        if s not in keep and s not in protected and s != newest:
+            commit.uncommit_and_remove(store, dirs.get(s, layout.step_dir_name(s)))
+            deleted.append(s)
+    committed_set = set(committed)
+    for s, name in dirs.items():
+        if s not in committed_set and s not in protected and s < just_committed:
+            store.remove_tree(name)
+    return deleted
+
+
+class MetricsCache:
+    """Metrics of committed steps for ``keep_best``: recorded at commit, read from manifests once otherwise."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._metrics: dict[int, dict[str, Any]] = {}
+
+    def record(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._metrics[step] = dict(metrics)
+
+    def __call__(self, steps: list[int]) -> dict[int, dict[str, Any]]:
+        out = {}
+        for s in steps:
+            if s not in self._metrics:
+                try:
+                    self._metrics[s] = commit.read_committed_manifest(self._store, layout.step_dir_name(s)).metrics
+                except CheckpointError as exc:
+                    logger.warning("checkpointd: cannot read metrics of step %d: %s", s, exc)
+                    self._metrics[s] = {}
+            out[s] = self._metrics[s]
+        return out

@@ -1,0 +1,159 @@
+"""From validated file trees to a background job: collect tensors, snapshot them, plan the files.
+
+This is the seam between the training thread and the committer thread. On the training thread,
+:func:`stage_save` walks each file's tree, replaces every tensor by a slot (deduplicating tensors that
+appear twice, e.g. tied weights), and hands the tensors to the snapshot stage. The job it returns
+carries a ``before_write`` callback that runs on the committer thread: it waits for the copies, fills
+the slots with the staged buffers and pickles each file (``serialize.plan_pt``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import __version__, layout
+from .manifest import EntryLocation, Manifest
+from .serialize import plan_pt
+from .snapshot import Snapshotter, TensorSpec, tensor_spec
+from .state import DeferredScalar, Entry, FileContent, copy_tree, resolve_deferred
+from .writer import FileJob, SaveJob
+
+ENQUEUE_GRACE_SECS = 2.0
+"""How long the writer lets the training thread's hooks queue a snapshot's copies before queueing them itself."""
+
+
+class _Slot:
+    """Placeholder for the i-th staged tensor inside a tree skeleton."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """Skeletons of ``trees`` (tensors replaced by slots) and the distinct tensors, in walk order."""
+    tensors: list[torch.Tensor] = []
+    index: dict[tuple[Any, ...], int] = {}
+
+    def collect(t: torch.Tensor) -> _Slot:
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if t.data_ptr() == 0 or key not in index:  # empty tensors share data_ptr 0: never merge them
+            index[key] = len(tensors)
+            tensors.append(t)
+        return _Slot(index[key])
+
+    return [copy_tree(tree, collect) for tree in trees], tensors
+
+
+def buffers_first(entries: Sequence[Entry], tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Order of ``tensors`` with the registered modules' CUDA buffers first, and how many those are.
+
+    The next forward pass (which updates e.g. BatchNorm statistics) waits only for that first group.
+    """
+    ptrs: set[int] = set()
+    for e in entries:
+        if e.kind == "module":
+            ptrs.update(b.data_ptr() for b in e.obj.buffers() if b.device.type == "cuda")
+    first = [i for i, t in enumerate(tensors) if t.device.type == "cuda" and t.data_ptr() in ptrs]
+    chosen = set(first)
+    return first + [i for i in range(len(tensors)) if i not in chosen], len(first)
+
+
+def staging_layout(entries: Sequence[Entry], files: Sequence[FileContent]) -> tuple[list[TensorSpec], torch.device | None, list[bool]]:
+    """``(specs, cuda_device, cuda_mask)``: what :meth:`Snapshotter.prepare_async` needs to allocate
+    buffers ahead of the first save, in the order the save will stage them."""
+    _, tensors = collect_tensors([f.tree for f in files])
+    order, _ = buffers_first(entries, tensors)
+    ordered = [tensors[i] for i in order]
+    cuda_device = next((t.device for t in ordered if t.device.type == "cuda"), None)
+    return [tensor_spec(t) for t in ordered], cuda_device, [t.device.type == "cuda" for t in ordered]
+
+
+def entry_locations(entries: Sequence[Entry], files: Sequence[FileContent]) -> dict[str, EntryLocation]:
+    """The manifest's map from each registered name to its file and key."""
+    by_name = {e.name: e for e in entries}
+    out: dict[str, EntryLocation] = {}
+    for f in files:
+        for name in f.entry_names:
+            e = by_name[name]
+            out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=e.class_name)
+    return out
+
+
+def stage_save(
+    *,
+    step: int,
+    files: list[FileContent],
+    entries: Sequence[Entry],
+    snapshotter: Snapshotter,
+    metrics: dict[str, Any],
+    mode: str,
+    world_size: int,
+    codec_name: str,
+    locations: dict[str, EntryLocation] | None,
+    extra: dict[str, Any],
+    clear_step_dir: Callable[[str], None],
+) -> SaveJob:
+    """Snapshot every tensor of ``files`` (training thread) and return the job that writes them.
+
+    Args:
+        clear_step_dir: called on the committer thread before any file is written (removes an
+            uncommitted leftover of the same step).
+    """
+    skeletons, tensors = collect_tensors([f.tree for f in files])
+    order, n_buffers = buffers_first(entries, tensors)
+    staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
+    staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for pos, i in enumerate(order):
+        staged[i] = staged_in_order.staged[pos]
+    step_dir = layout.step_dir_name(step)
+    manifest = Manifest(step=step, time=time.time(), world_size=world_size, mode=mode, codec=codec_name,
+                        library_version=__version__, torch_version=torch.__version__, metrics=metrics,
+                        entries=entry_locations(entries, files) if locations is None else locations,
+                        extra=extra)
+    job = SaveJob(step=step, step_dir=step_dir, files=[], manifest=manifest,
+                  before_write=lambda: None, after_files=lambda: snapshotter.release(staged_in_order))
+
+    def before_write() -> None:  # committer thread
+        staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
+        clear_step_dir(step_dir)
+        for f, skeleton in zip(files, skeletons):
+            tree = resolve_deferred(_fill_slots(skeleton, staged))
+            plan = plan_pt(tree)
+            job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=_record_dtypes(tree, plan),
+                                     json_members=f.json_members, rank=f.rank))
+
+    job.before_write = before_write
+    return job
+
+
+def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return staged[obj.index]
+    if isinstance(obj, DeferredScalar):
+        return DeferredScalar(_fill_slots(obj.tensor, staged), obj.as_type)
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill_slots(v, staged)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_fill_slots(v, staged) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(_fill_slots(v, staged) for v in obj)
+    return obj
+
+
+def _record_dtypes(tree: Any, plan: Any) -> dict[str, torch.dtype]:
+    """Element dtype of each storage record (for the codec's float-aware choice)."""
+    by_storage = {holder.untyped_storage()._cdata: key for key, holder in plan.storages}
+    out: dict[str, torch.dtype] = {}
+
+    def visit(t: torch.Tensor) -> None:
+        key = by_storage.get(t.untyped_storage()._cdata)
+        if key is not None:
+            out[key] = t.dtype
+
+    copy_tree(tree, visit)
+    return out
