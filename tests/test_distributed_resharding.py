@@ -48,7 +48,7 @@ def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 123) -> None:
     g = torch.Generator().manual_seed(seed)  # same batches on every rank
     for _ in range(steps):
-        x = torch.randn(4, 5, generator=g).to(device())
+        x = torch.randn(4, 5, generator=g).to(next(model.parameters()).device)
         model(x).square().sum().backward()
         opt.step()
         opt.zero_grad()
