@@ -8,23 +8,25 @@ Methods: ``zstd-1call`` is python-zstandard's single ``compress`` call at level 
 naive implementation does); ``zstd`` and ``zstd-planes`` are our chunked codecs on the shared pool.
 Compression feeds each tensor with its dtype hint, as the serializer does, into a sink that keeps the
 frames (no file I/O). Decompression reads the whole stream back into a preallocated, already touched
-buffer, as a restore into staged memory does. Each figure is the best of ``--repeat`` runs.
+buffer from an in-memory source (``fastload.BufferReader``, zero-copy), as a restore into staged memory
+does. ``--threads N`` runs the codecs on a pool of N threads instead of the shared one (compare 1 and N
+to see how decoding and encoding scale). Each figure is the best of ``--repeat`` runs.
 
 Usage::
 
-    python benchmarks/bench_compression.py [--small] [--repeat 3] [--json out.json]
+    python benchmarks/bench_compression.py [--small] [--repeat 3] [--threads N] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import struct
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ import zstandard as zstd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from checkpointd.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
+from checkpointd.fastload import BufferReader  # noqa: E402
 
 Tensors = list[torch.Tensor]
 
@@ -116,7 +119,7 @@ def measure_codec(codec: ZstdCodec, tensors: Tensors, repeat: int) -> tuple[floa
     target[:] = b"\x01" * native_nbytes  # touch the pages once, outside the timing
 
     def decompress() -> None:
-        with codec.open_decoded(io.BytesIO(encoded)) as stream:
+        with codec.open_decoded(BufferReader(memoryview(encoded))) as stream:
             assert stream.readinto(target) == native_nbytes
 
     decompress_secs = best_secs(decompress, repeat)
@@ -155,8 +158,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="32 MB inputs instead of 256 MB")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--threads", type=int, help="codec pool size (default: the shared pool's)")
     args = parser.parse_args()
-    threads = default_executor()._max_workers
+    pool = ThreadPoolExecutor(args.threads) if args.threads else default_executor()
+    threads = pool._max_workers
     rows = []
     print(f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}")
     for name, tensors in inputs((32 if args.small else 256) * 10**6).items():
@@ -166,8 +171,8 @@ def main() -> None:
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
         methods = [
             ("zstd-1call", 1, lambda: measure_one_call(tensors, args.repeat)),
-            ("zstd", threads, lambda: measure_codec(ZstdCodec(), tensors, args.repeat)),
-            ("zstd-planes", threads, lambda: measure_codec(ZstdPlanesCodec(), tensors, args.repeat)),
+            ("zstd", threads, lambda: measure_codec(ZstdCodec(executor=pool), tensors, args.repeat)),
+            ("zstd-planes", threads, lambda: measure_codec(ZstdPlanesCodec(executor=pool), tensors, args.repeat)),
         ]
         for method, nthreads, run in methods:
             ratio, comp, decomp = run()

@@ -96,7 +96,8 @@ def main() -> None:
     p.add_argument("--no-dcp", action="store_true")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # async_save needs a CPU backend beside NCCL for its background collectives.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

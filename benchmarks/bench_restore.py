@@ -113,8 +113,9 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
         if dev.cuda:  # the best raw read, then copies into the live GPU tensors (two passes)
             def raw_h2d():
                 C.raw_read(files, views, threads=best[1])
-                for h, t in zip(host, C.state_tensors(model, opt)):
-                    t.copy_(h, non_blocking=True)
+                with torch.no_grad():
+                    for h, t in zip(host, C.state_tensors(model, opt)):
+                        t.copy_(h, non_blocking=True)
             add({"method": f"raw read x {best[1]} thr + h2d", "kind": "raw+h2d",
                          "times_s": timed_restore(args, dev, root, model, opt, raw_h2d), "ok": check(model, opt, ref)})
         del host, views

@@ -225,7 +225,7 @@ def test_full_mode_physicsnemo_files_and_restore_at_3(tmp_path: Path, reference:
 
 def test_single_process_checkpoint_restores_into_fsdp2_and_back(tmp_path: Path, reference: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device())  # the reference trained on this device (cuda:0 under nccl): same numerics
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     _train(model, opt, 2)
     with CheckpointManager(tmp_path / "single", {"model": model, "optim": opt}) as mgr:

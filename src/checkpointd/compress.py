@@ -54,16 +54,17 @@ import io
 import os
 import struct
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
 import zstandard as zstd
 
+from . import compress_planes as kernels
 from . import layout
 from .errors import ConfigError, CorruptCheckpointError
 
@@ -75,25 +76,13 @@ DIRECT_MIN_BYTES = 64 << 10
 
 _MAX_CHUNK_BYTES = 1 << 30
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard exports only the maximum
-_SAMPLE_ELEMENTS = 16 << 10
-_SAMPLE_SLICES = 4
-_RANDOM_ENTROPY_BITS = 7.95
-"""A sample plane above this (uniform bytes measure ~7.99 on 16 Ki samples) is stored raw untried."""
-
 _SKIPPABLE_INDEX_MAGIC = 0x184D2A5E
-_SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 _SEEKABLE_FOOTER_MAGIC = 0x8F92EAB1
 _PLANES_FOOTER_MAGIC = 0x31504B43
 
 _FRAME_HEADER = struct.Struct("<II")  # skippable frame: magic, payload size
 _ENTRY = struct.Struct("<II")  # seek table entry: frame size, native size
 _FOOTER = struct.Struct("<IBI")  # frame count, descriptor, magic
-_CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 of raw-stored bytes
-_PLANE = struct.Struct("<BxxxI")  # mode, stored size
-
-_KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
-_FLAG_ROTATED = 1
-_UINT_BY_ITEMSIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 PLANES_BANNER = (
     b"checkpointd: this file was compressed with codec 'zstd-planes', which the zstd tool cannot\n"
@@ -130,11 +119,10 @@ class Codec(Protocol):
     def open_decoded(self, raw: BinaryIO) -> BinaryIO: ...
 
 
-# -- thread pool and per-thread zstd contexts ---------------------------------------------------------
+# -- thread pool ----------------------------------------------------------------------------------------
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_local = threading.local()
 
 
 def default_executor() -> ThreadPoolExecutor:
@@ -144,37 +132,6 @@ def default_executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1), thread_name_prefix="checkpointd-zstd")
         return _pool
-
-
-def _compressor(level: int) -> zstd.ZstdCompressor:
-    """This thread's compressor for ``level`` (zstd contexts are not thread-safe, and costly to make)."""
-    cache = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstd.ZstdCompressor(level=level, write_checksum=True)
-    return cache[level]
-
-
-def _plane_compressor() -> zstd.ZstdCompressor:
-    """This thread's compressor for byte planes: Huffman literals, almost no matches.
-
-    Exponent planes hold ~2.5 bits of entropy per byte spread evenly, so short LZ matches abound and
-    cost more than they save; level 1 reaches 2.8x at 0.3 GB/s, these parameters 3.05x at 0.8 GB/s.
-    """
-    comp = getattr(_local, "plane_compressor", None)
-    if comp is None:
-        params = zstd.ZstdCompressionParameters(
-            strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
-            min_match=7, target_length=0, write_checksum=True,
-        )  # fmt: skip
-        comp = _local.plane_compressor = zstd.ZstdCompressor(compression_params=params)
-    return comp
-
-
-def _decompressor() -> zstd.ZstdDecompressor:
-    dctx = getattr(_local, "decompressor", None)
-    if dctx is None:
-        dctx = _local.decompressor = zstd.ZstdDecompressor()
-    return dctx
 
 
 # -- codecs -----------------------------------------------------------------------------------------
@@ -281,10 +238,17 @@ class ZstdCodec:
         return []
 
     def _encode(self, view: memoryview, dtype: torch.dtype | None) -> list[Any]:
-        return [_compressor(self.level).compress(view)]
+        return [kernels.compressor(self.level).compress(view)]
 
-    def _decode(self, frame: memoryview, native_nbytes: int) -> Any:
-        return _zstd_decompress(frame, native_nbytes)
+    def _decode_into(self, frame: memoryview, out: np.ndarray) -> None:
+        """Decode one chunk frame into ``out`` (uint8, the chunk's native size); runs on the pool."""
+        kernels.zstd_decompress_into(frame, out)
+
+    def _decode(self, frame: memoryview, native_nbytes: int) -> np.ndarray:
+        """One chunk's native bytes in a new array (see :meth:`_decode_into`)."""
+        out = np.empty(native_nbytes, dtype=np.uint8)
+        self._decode_into(frame, out)
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(level={self.level}, chunk_bytes={self.chunk_bytes})"
@@ -303,37 +267,10 @@ class ZstdPlanesCodec(ZstdCodec):
         return [_banner_frame()]
 
     def _encode(self, view: memoryview, dtype: torch.dtype | None) -> list[Any]:
-        itemsize = _plane_itemsize(dtype)
-        parts: list[Any] | None = None
-        worth = _choose_planes(view, itemsize, self.level) if itemsize and view.nbytes >= itemsize else None
-        if worth is not None:
-            parts = _encode_planes(view, itemsize, worth)
-        if parts is None:
-            packed = _compressor(self.level).compress(view)
-            if len(packed) < view.nbytes:
-                parts = [_CHUNK_HEADER.pack(_KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
-            else:
-                parts = [_CHUNK_HEADER.pack(_KIND_RAW, 1, 0, view.nbytes, zlib.crc32(view)), view]
-        payload_nbytes = sum(memoryview(p).nbytes for p in parts)
-        return [_FRAME_HEADER.pack(_SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
+        return kernels.encode_chunk(view, dtype, self.level)
 
-    def _decode(self, frame: memoryview, native_nbytes: int) -> Any:
-        if frame.nbytes < _FRAME_HEADER.size + _CHUNK_HEADER.size:
-            raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
-        magic, payload_nbytes = _FRAME_HEADER.unpack_from(frame)
-        if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - _FRAME_HEADER.size:
-            raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
-        kind, itemsize, flags, size, crc = _CHUNK_HEADER.unpack_from(frame, _FRAME_HEADER.size)
-        if size != native_nbytes:
-            raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
-        body = frame[_FRAME_HEADER.size + _CHUNK_HEADER.size :]
-        if kind == _KIND_RAW and body.nbytes == size:
-            return _check_crc(body, zlib.crc32(body), crc)
-        if kind == _KIND_ZSTD:
-            return _zstd_decompress(body, size)
-        if kind == _KIND_PLANES and itemsize in _UINT_BY_ITEMSIZE:
-            return _decode_planes(body, itemsize, flags, size, crc)
-        raise CorruptCheckpointError(f"bad chunk header (kind {kind}, itemsize {itemsize}, {body.nbytes} bytes)")
+    def _decode_into(self, frame: memoryview, out: np.ndarray) -> None:
+        kernels.decode_chunk_into(frame, out)
 
 
 _CODECS: dict[str, Callable[..., Codec]] = {"none": NoCodec, "zstd": ZstdCodec, "zstd-planes": ZstdPlanesCodec}
@@ -355,13 +292,22 @@ def get_codec(name: str | None, **options: Any) -> Codec:
     return factory(**options)
 
 
-def decode_bytes(name: str, data: bytes) -> bytes:
-    """The native bytes of a whole encoded file held in memory (decoded in parallel)."""
+def decode_bytes(name: str, data: Any) -> bytes | bytearray:
+    """The native bytes of a whole encoded file held in memory (any bytes-like object).
+
+    Chunks decode in parallel on the pool, each straight into its place in the result, which is a
+    ``bytearray`` for compressed codecs (a ``bytes`` copy would be one more single-threaded pass).
+    """
     codec = get_codec(name)
     if codec.name == "none":
         return bytes(data)
-    with codec.open_decoded(io.BytesIO(data)) as stream:
-        return stream.read()
+    source = memoryview(data).cast("B")
+    with _DecodedReader(codec, io.BytesIO(b""), source) as stream:
+        out = bytearray(stream.seek(0, io.SEEK_END))
+        stream.seek(0)
+        if out and stream.readinto(out) != len(out):
+            raise CorruptCheckpointError(f"{codec.name!r} stream ended early")
+    return out
 
 
 # -- encoding ---------------------------------------------------------------------------------------
@@ -451,121 +397,6 @@ def _banner_frame() -> bytes:
     return zstd.ZstdCompressor(level=1, write_checksum=True).compress(PLANES_BANNER)
 
 
-def _plane_itemsize(dtype: torch.dtype | None) -> int:
-    """Element size to cut planes at, or 0 for data that planes do not help (ints, bool, float8)."""
-    if dtype is None:
-        return 0
-    if dtype.is_complex:
-        dtype = dtype.to_real()
-    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in _UINT_BY_ITEMSIZE else 0
-
-
-def _to_planes(view: memoryview, itemsize: int) -> np.ndarray:
-    """(itemsize, n) planes of the rotated elements in ``view`` (whole elements only)."""
-    bits = itemsize * 8
-    elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=view.nbytes // itemsize)
-    rotated = np.left_shift(elems, 1)
-    rotated |= elems >> (bits - 1)
-    return rotated.view(np.uint8).reshape(-1, itemsize).T.copy()
-
-
-def _choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | None:
-    """Judge a sample of elements from a few places across the chunk (tensors are not uniform).
-
-    Returns ``None`` if plain zstd beats planes (zeros, integer-valued floats), else which planes are
-    worth a zstd attempt: all but those whose byte entropy looks uniform. Entropy, not a trial
-    compression, decides that: on a small sample zstd's table overhead hides the 2-9% that skewed
-    mantissa planes gain on a whole chunk.
-    """
-    count = view.nbytes // itemsize
-    if count < _SAMPLE_ELEMENTS:
-        return [True] * itemsize
-    per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
-    starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
-    sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
-    planes = _to_planes(sample, itemsize)
-    worth = [_entropy_bits(p) < _RANDOM_ENTROPY_BITS for p in planes]
-    packed = sum(len(_plane_compressor().compress(p)) if w else p.nbytes for p, w in zip(planes, worth))
-    if len(_compressor(level).compress(sample)) < 0.95 * packed:
-        return None
-    return worth
-
-
-def _entropy_bits(plane: np.ndarray) -> float:
-    """Shannon entropy of the byte histogram, in bits per byte."""
-    freq = np.bincount(plane, minlength=256)
-    freq = freq[freq > 0] / plane.size
-    return float(-(freq * np.log2(freq)).sum())
-
-
-def _encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[Any]:
-    """Chunk payload parts of kind planes: header, plane table, planes, native tail."""
-    whole = view.nbytes // itemsize * itemsize
-    planes = _to_planes(view[:whole], itemsize)
-    table, blobs, crc = [], [], 0
-    for plane, compress in zip(planes, worth):
-        packed = _plane_compressor().compress(plane) if compress else None
-        if packed is not None and len(packed) < plane.nbytes:
-            table.append(_PLANE.pack(1, len(packed)))
-            blobs.append(packed)
-        else:
-            table.append(_PLANE.pack(0, plane.nbytes))
-            blobs.append(plane)
-            crc = zlib.crc32(plane, crc)
-    crc = zlib.crc32(view[whole:], crc)
-    header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, _FLAG_ROTATED, view.nbytes, crc) + b"".join(table)
-    return [header, *blobs, view[whole:]]
-
-
-# -- decoding ---------------------------------------------------------------------------------------
-
-
-def _zstd_decompress(frame: memoryview, native_nbytes: int) -> bytes:
-    try:
-        data = _decompressor().decompress(frame, max_output_size=native_nbytes)
-    except zstd.ZstdError as exc:
-        raise CorruptCheckpointError(f"zstd frame does not decode: {exc}") from exc
-    if len(data) != native_nbytes:
-        raise CorruptCheckpointError(f"zstd frame decodes to {len(data)} bytes, expected {native_nbytes}")
-    return data
-
-
-def _decode_planes(body: memoryview, itemsize: int, flags: int, native_nbytes: int, crc: int) -> np.ndarray:
-    """Native bytes of a planes chunk: decode each plane into its byte column, rotate back."""
-    count = native_nbytes // itemsize
-    out = np.empty(native_nbytes, dtype=np.uint8)
-    columns = out[: count * itemsize].reshape(count, itemsize)
-    pos, actual_crc = _PLANE.size * itemsize, 0
-    for i in range(itemsize):
-        mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
-        blob = body[pos : pos + stored]
-        pos += stored
-        if mode == 1:
-            blob = memoryview(_zstd_decompress(blob, count))
-        elif mode == 0 and blob.nbytes == count:
-            actual_crc = zlib.crc32(blob, actual_crc)
-        else:
-            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {count} bytes)")
-        columns[:, i] = np.frombuffer(blob, dtype=np.uint8)  # one strided pass per plane: ~8x faster than .T
-    tail = body[pos:]
-    if tail.nbytes != native_nbytes - count * itemsize:
-        raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
-    _check_crc(tail, zlib.crc32(tail, actual_crc), crc)
-    out[count * itemsize :] = np.frombuffer(tail, dtype=np.uint8)
-    if flags & _FLAG_ROTATED:
-        elems = out[: count * itemsize].view(_UINT_BY_ITEMSIZE[itemsize])
-        low = elems >> 1
-        elems <<= itemsize * 8 - 1
-        elems |= low
-    return out
-
-
-def _check_crc(data: Any, actual: int, expected: int) -> Any:
-    if actual != expected:
-        raise CorruptCheckpointError(f"CRC-32 of raw-stored bytes is {actual:#010x}, the chunk says {expected:#010x}")
-    return data
-
-
 def _read_index(raw: BinaryIO, footer_magic: int, codec_name: str) -> tuple[list[int], list[int]]:
     """Frame offsets and native offsets (each with a final end offset) from the trailing seek table."""
     end = raw.seek(0, io.SEEK_END)
@@ -602,25 +433,49 @@ def _read_exact(raw: BinaryIO, nbytes: int, hint: str) -> bytes:
     return data
 
 
+class _ViewFile:
+    """``seek``/``read`` over a memoryview, copying only what is read (for the seek table)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._pos = view, 0
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = offset + (self._view.nbytes if whence == io.SEEK_END else 0)
+        return self._pos
+
+    def read(self, nbytes: int) -> bytes:
+        data = bytes(self._view[self._pos : self._pos + nbytes])
+        self._pos += len(data)
+        return data
+
+
 class _DecodedReader(io.RawIOBase):
     """Seekable stream of a chunked file's native bytes, decoding chunks on the pool.
 
-    Reads of ``raw`` happen on the calling thread only (fsspec files are not thread-safe); the pool
-    only decodes. A read decodes the chunks it spans, up to ``max_inflight`` at once in parallel, and
-    nothing else, so one tensor of a large file loads without decoding the rest.
+    A read decodes the chunks it spans and nothing else, so one tensor of a large file loads without
+    decoding the rest. Chunks that a read covers whole are decoded by pool tasks straight into their
+    slot of the caller's buffer (``max_inflight`` at once); only a chunk that the read covers in part is
+    decoded into a chunk buffer of its own, kept for the reads that follow. The calling thread only
+    slices frames out of the source and waits: reads of ``raw`` happen on it alone (fsspec files are not
+    thread-safe), and an in-memory source (:class:`checkpointd.fastload.BufferReader`, or the bytes
+    given to :func:`decode_bytes`) is sliced without any copy.
     """
 
-    def __init__(self, codec: ZstdCodec, raw: BinaryIO) -> None:
+    def __init__(self, codec: ZstdCodec, raw: BinaryIO, source: memoryview | None = None) -> None:
         super().__init__()
-        if not (raw.seekable() if hasattr(raw, "seekable") else False):
+        if source is None and callable(getattr(raw, "getbuffer", None)) and not isinstance(raw, io.BytesIO):
+            source = memoryview(raw.getbuffer()).cast("B")  # a BytesIO export would pin it open
+        if source is None and not (raw.seekable() if hasattr(raw, "seekable") else False):
             raw = io.BytesIO(raw.read())
         self._codec = codec
         self._raw = raw
-        self._frames, self._natives = _read_index(raw, codec._footer_magic, codec.name)
+        self._source = source
+        index_file = _ViewFile(source) if source is not None else raw
+        self._frames, self._natives = _read_index(index_file, codec._footer_magic, codec.name)
         self._size = self._natives[-1]
         self._pos = 0
-        self._futures: dict[int, Future[Any]] = {}
-        self._cached: tuple[int, memoryview] | None = None
+        self._futures: dict[int, Future[np.ndarray]] = {}
+        self._cached: tuple[int, np.ndarray] | None = None
 
     def readable(self) -> bool:
         return True
@@ -639,28 +494,57 @@ class _DecodedReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        dest = memoryview(buffer).cast("B")
-        stop = min(self._size, self._pos + dest.nbytes)
-        done = 0
-        while self._pos < stop:
-            index = bisect.bisect_right(self._natives, self._pos) - 1
-            chunk = self._chunk(index, stop)
-            start = self._pos - self._natives[index]
-            count = min(stop - self._pos, chunk.nbytes - start)
-            dest[done : done + count] = chunk[start : start + count]
-            done += count
-            self._pos += count
-        return done
+        view = memoryview(buffer).cast("B")
+        start, stop = self._pos, min(self._size, self._pos + view.nbytes)
+        if start >= stop:
+            return 0
+        dest = np.frombuffer(view, dtype=np.uint8, count=stop - start)
+        first = bisect.bisect_right(self._natives, start) - 1
+        last = bisect.bisect_left(self._natives, stop) - 1
+        for stale in [i for i in self._futures if i < first]:
+            self._futures.pop(stale).cancel()
+        inflight: deque[tuple[Future[Any], tuple[int, int, int] | None]] = deque()
+        try:
+            for index in range(first, last + 1):
+                lo, hi = self._natives[index], self._natives[index + 1]
+                a, b = max(start, lo), min(stop, hi)
+                if a >= b:
+                    continue
+                if self._cached is not None and self._cached[0] == index:
+                    kernels.copy_into(dest[a - start : b - start], self._cached[1][a - lo : b - lo])
+                    continue
+                future = self._futures.pop(index, None)
+                if future is None and a == lo and b == hi:  # whole chunk: decode into its slot
+                    frame = self._frame(index)
+                    out = dest[a - start : b - start]
+                    inflight.append((self._codec.executor.submit(self._decode_chunk, index, frame, out), None))
+                else:  # part of a chunk: decode the chunk on its own, copy the part, keep it
+                    inflight.append((future or self._submit(index), (index, a - lo, b - lo)))
+                while len(inflight) >= self._codec.max_inflight:
+                    self._finish(inflight.popleft(), dest, start)
+            while inflight:
+                self._finish(inflight.popleft(), dest, start)
+        except BaseException:
+            for future, _ in inflight:
+                future.cancel()
+            wait_futures([f for f, _ in inflight])  # no task may write into ``buffer`` after we return
+            raise
+        self._pos = stop
+        return stop - start
+
+    def _finish(self, item: tuple[Future[Any], tuple[int, int, int] | None], dest: np.ndarray, start: int) -> None:
+        future, part = item
+        data = future.result()
+        if part is not None:
+            index, a, b = part
+            base = self._natives[index] - start
+            kernels.copy_into(dest[base + a : base + b], data[a:b])
+            self._cached = (index, data)
 
     def readall(self) -> bytes:
-        # One join instead of bytearray + bytes(): first touch of fresh pages is the cost here.
-        pieces = []
-        while self._pos < self._size:
-            index = bisect.bisect_right(self._natives, self._pos) - 1
-            chunk = self._chunk(index, self._size)
-            pieces.append(chunk[self._pos - self._natives[index] :])
-            self._pos = self._natives[index + 1]
-        return b"".join(pieces)
+        out = bytearray(max(0, self._size - self._pos))
+        got = self.readinto(out) if out else 0
+        return bytes(out[:got]) if got != len(out) else bytes(out)
 
     def close(self) -> None:
         if not self.closed:
@@ -668,33 +552,30 @@ class _DecodedReader(io.RawIOBase):
                 future.cancel()
             self._futures.clear()
             self._cached = None
+            self._source = None
             self._raw.close()
         super().close()
 
-    def _chunk(self, index: int, stop: int) -> memoryview:
-        """Decoded chunk ``index``, submitting the chunks up to native offset ``stop`` (bounded) too."""
-        if self._cached is not None and self._cached[0] == index:
-            return self._cached[1]
-        for stale in [i for i in self._futures if i < index]:
-            self._futures.pop(stale).cancel()
-        last = bisect.bisect_left(self._natives, stop) - 1
-        for i in range(index, min(last, index + self._codec.max_inflight - 1) + 1):
-            if i not in self._futures:
-                self._futures[i] = self._submit(i)
-        data = memoryview(self._futures.pop(index).result()).cast("B")
-        self._cached = (index, data)
-        return data
-
-    def _submit(self, index: int) -> Future[Any]:
+    def _frame(self, index: int) -> memoryview | bytes:
         start, stop = self._frames[index], self._frames[index + 1]
+        if self._source is not None:
+            frame = self._source[start:stop]
+            if frame.nbytes != stop - start:
+                raise CorruptCheckpointError(f"chunk {index} of the {self._codec.name!r} file: short buffer")
+            return frame
         self._raw.seek(start)
-        frame = _read_exact(self._raw, stop - start, f"chunk {index} of the {self._codec.name!r} file")
-        native_nbytes = self._natives[index + 1] - self._natives[index]
-        return self._codec.executor.submit(self._decode_chunk, index, frame, native_nbytes)
+        return _read_exact(self._raw, stop - start, f"chunk {index} of the {self._codec.name!r} file")
 
-    def _decode_chunk(self, index: int, frame: bytes, native_nbytes: int) -> Any:
+    def _submit(self, index: int) -> Future[np.ndarray]:
+        """Decode chunk ``index`` into a new array on the pool."""
+        frame = self._frame(index)
+        out = np.empty(self._natives[index + 1] - self._natives[index], dtype=np.uint8)
+        return self._codec.executor.submit(self._decode_chunk, index, frame, out)
+
+    def _decode_chunk(self, index: int, frame: Any, out: np.ndarray) -> np.ndarray:
         try:
-            return self._codec._decode(memoryview(frame), native_nbytes)
+            self._codec._decode_into(memoryview(frame), out)
+            return out
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{self._codec.name!r} chunk {index} (file bytes {self._frames[index]}..{self._frames[index + 1]}): "

@@ -69,6 +69,10 @@ class BufferReader(io.RawIOBase):
         self._pos = pos
         return pos
 
+    def getbuffer(self) -> memoryview:
+        """The whole underlying view, zero-copy (codecs slice compressed frames out of it)."""
+        return self._view
+
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
         n = max(0, min(out.nbytes, self._view.nbytes - self._pos))

@@ -1,0 +1,263 @@
+"""Chunk kernels of :mod:`checkpointd.compress`: per-thread zstd contexts and the byte-plane transform.
+
+Everything here runs on a pool thread, one chunk at a time, and spends its time in zstd or NumPy with
+the GIL released. Decoding writes straight into the chunk's slot of the caller's output buffer: no
+per-chunk ``bytes`` is allocated (allocating, faulting in and unmapping 4 MiB per chunk from many
+threads at once serializes in the kernel), and the caller's thread copies nothing. Temporaries that a
+chunk needs (compressed planes decoded, rotated elements) live in per-thread scratch arrays reused from
+chunk to chunk. The file format is described in :mod:`checkpointd.compress`.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard as zstd
+
+from .errors import CorruptCheckpointError
+
+_SAMPLE_ELEMENTS = 16 << 10
+_SAMPLE_SLICES = 4
+_RANDOM_ENTROPY_BITS = 7.95
+"""A sample plane above this (uniform bytes measure ~7.99 on 16 Ki samples) is stored raw untried."""
+
+_FRAME_HEADER = struct.Struct("<II")  # skippable frame: magic, payload size
+_CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 of raw-stored bytes
+_PLANE = struct.Struct("<BxxxI")  # mode, stored size
+_SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
+
+_KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
+_FLAG_ROTATED = 1
+_UINT_BY_ITEMSIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+_local = threading.local()
+
+
+# -- per-thread zstd contexts and scratch -------------------------------------------------------------
+
+
+def compressor(level: int) -> zstd.ZstdCompressor:
+    """This thread's compressor for ``level`` (zstd contexts are not thread-safe, and costly to make)."""
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstd.ZstdCompressor(level=level, write_checksum=True)
+    return cache[level]
+
+
+def _plane_compressor() -> zstd.ZstdCompressor:
+    """This thread's compressor for byte planes: Huffman literals, almost no matches.
+
+    Exponent planes hold ~2.5 bits of entropy per byte spread evenly, so short LZ matches abound and
+    cost more than they save; level 1 reaches 2.8x at 0.3 GB/s, these parameters 3.05x at 0.8 GB/s.
+    """
+    comp = getattr(_local, "plane_compressor", None)
+    if comp is None:
+        params = zstd.ZstdCompressionParameters(
+            strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
+            min_match=7, target_length=0, write_checksum=True,
+        )  # fmt: skip
+        comp = _local.plane_compressor = zstd.ZstdCompressor(compression_params=params)
+    return comp
+
+
+def _decompressor() -> zstd.ZstdDecompressor:
+    dctx = getattr(_local, "decompressor", None)
+    if dctx is None:
+        dctx = _local.decompressor = zstd.ZstdDecompressor()
+    return dctx
+
+
+def _scratch(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable uint8 array ``name`` of at least ``nbytes`` (sliced to ``nbytes``)."""
+    buf = _local.__dict__.get(name)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        _local.__dict__[name] = buf
+    return buf[:nbytes]
+
+
+def zstd_decompress_into(frame: Any, out: np.ndarray) -> None:
+    """Decode one zstd frame into ``out`` (uint8, exactly the frame's content size), checksum checked."""
+    try:
+        with _decompressor().stream_reader(frame, read_across_frames=False, closefd=False) as reader:
+            got = reader.readinto(out) if out.nbytes else 0
+            extra = reader.read(1)  # finishes the frame: the checksum is verified here
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(f"zstd frame does not decode: {exc}") from exc
+    if got != out.nbytes or extra:
+        size = f"more than {out.nbytes}" if extra else str(got)
+        raise CorruptCheckpointError(f"zstd frame decodes to {size} bytes, expected {out.nbytes}")
+
+
+def copy_into(out: np.ndarray, data: Any) -> None:
+    """``out[:] = data`` through NumPy, which releases the GIL (a memoryview copy holds it)."""
+    if out.nbytes:
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+# -- planes: encoding ---------------------------------------------------------------------------------
+
+
+def plane_itemsize(dtype: torch.dtype | None) -> int:
+    """Element size to cut planes at, or 0 for data that planes do not help (ints, bool, float8)."""
+    if dtype is None:
+        return 0
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in _UINT_BY_ITEMSIZE else 0
+
+
+def _to_planes(view: Any, itemsize: int) -> np.ndarray:
+    """(itemsize, n) planes of the rotated elements in ``view`` (whole elements only).
+
+    The rotation goes through per-thread scratch (no 4 MiB temporaries per chunk); each plane is one
+    strided pass into its row, several times faster than NumPy's generic transposing copy.
+    """
+    bits = itemsize * 8
+    count = memoryview(view).nbytes // itemsize
+    uint = _UINT_BY_ITEMSIZE[itemsize]
+    elems = np.frombuffer(view, dtype=uint, count=count)
+    rotated = _scratch("rotated", count * itemsize).view(uint)
+    high = _scratch("high", count * itemsize).view(uint)
+    np.left_shift(elems, 1, out=rotated)
+    np.right_shift(elems, bits - 1, out=high)
+    rotated |= high
+    columns = rotated.view(np.uint8).reshape(count, itemsize)
+    planes = np.empty((itemsize, count), dtype=np.uint8)
+    for i in range(itemsize):
+        planes[i] = columns[:, i]
+    return planes
+
+
+def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | None:
+    """Judge a sample of elements from a few places across the chunk (tensors are not uniform).
+
+    Returns ``None`` if plain zstd beats planes (zeros, integer-valued floats), else which planes are
+    worth a zstd attempt: all but those whose byte entropy looks uniform. Entropy, not a trial
+    compression, decides that: on a small sample zstd's table overhead hides the 2-9% that skewed
+    mantissa planes gain on a whole chunk.
+    """
+    count = view.nbytes // itemsize
+    if count < _SAMPLE_ELEMENTS:
+        return [True] * itemsize
+    per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
+    starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
+    sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
+    planes = _to_planes(sample, itemsize)
+    worth = [_entropy_bits(p) < _RANDOM_ENTROPY_BITS for p in planes]
+    packed = sum(len(_plane_compressor().compress(p)) if w else p.nbytes for p, w in zip(planes, worth))
+    if len(compressor(level).compress(sample)) < 0.95 * packed:
+        return None
+    return worth
+
+
+def _entropy_bits(plane: np.ndarray) -> float:
+    """Shannon entropy of the byte histogram, in bits per byte."""
+    freq = np.bincount(plane, minlength=256)
+    freq = freq[freq > 0] / plane.size
+    return float(-(freq * np.log2(freq)).sum())
+
+
+def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[Any]:
+    """Chunk payload parts of kind planes: header, plane table, planes, native tail."""
+    whole = view.nbytes // itemsize * itemsize
+    planes = _to_planes(view[:whole], itemsize)
+    table, blobs, crc = [], [], 0
+    for plane, compress in zip(planes, worth):
+        packed = _plane_compressor().compress(plane) if compress else None
+        if packed is not None and len(packed) < plane.nbytes:
+            table.append(_PLANE.pack(1, len(packed)))
+            blobs.append(packed)
+        else:
+            table.append(_PLANE.pack(0, plane.nbytes))
+            blobs.append(plane)
+            crc = zlib.crc32(plane, crc)
+    crc = zlib.crc32(view[whole:], crc)
+    header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, _FLAG_ROTATED, view.nbytes, crc) + b"".join(table)
+    return [header, *blobs, view[whole:]]
+
+
+def encode_chunk(view: memoryview, dtype: torch.dtype | None, level: int) -> list[Any]:
+    """The skippable frame (as parts) of one planes-container chunk: planes, zstd or raw."""
+    itemsize = plane_itemsize(dtype)
+    parts: list[Any] | None = None
+    worth = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
+    if worth is not None:
+        parts = encode_planes(view, itemsize, worth)
+    if parts is None:
+        packed = compressor(level).compress(view)
+        if len(packed) < view.nbytes:
+            parts = [_CHUNK_HEADER.pack(_KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
+        else:
+            parts = [_CHUNK_HEADER.pack(_KIND_RAW, 1, 0, view.nbytes, zlib.crc32(view)), view]
+    payload_nbytes = sum(memoryview(p).nbytes for p in parts)
+    return [_FRAME_HEADER.pack(_SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
+
+
+# -- planes: decoding ---------------------------------------------------------------------------------
+
+
+def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
+    """Decode one planes-container chunk frame into ``out`` (its native bytes, exactly)."""
+    native_nbytes = out.nbytes
+    if frame.nbytes < _FRAME_HEADER.size + _CHUNK_HEADER.size:
+        raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
+    magic, payload_nbytes = _FRAME_HEADER.unpack_from(frame)
+    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - _FRAME_HEADER.size:
+        raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
+    kind, itemsize, flags, size, crc = _CHUNK_HEADER.unpack_from(frame, _FRAME_HEADER.size)
+    if size != native_nbytes:
+        raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
+    body = frame[_FRAME_HEADER.size + _CHUNK_HEADER.size :]
+    if kind == _KIND_RAW and body.nbytes == size:
+        _check_crc(zlib.crc32(body), crc)
+        copy_into(out, body)
+    elif kind == _KIND_ZSTD:
+        zstd_decompress_into(body, out)
+    elif kind == _KIND_PLANES and itemsize in _UINT_BY_ITEMSIZE:
+        _decode_planes_into(body, itemsize, flags, crc, out)
+    else:
+        raise CorruptCheckpointError(f"bad chunk header (kind {kind}, itemsize {itemsize}, {body.nbytes} bytes)")
+
+
+def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, out: np.ndarray) -> None:
+    """Native bytes of a planes chunk into ``out``: each plane into its byte column, then rotate back."""
+    native_nbytes = out.nbytes
+    count = native_nbytes // itemsize
+    columns = out[: count * itemsize].reshape(count, itemsize)
+    pos, actual_crc = _PLANE.size * itemsize, 0
+    for i in range(itemsize):
+        mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
+        blob = body[pos : pos + stored]
+        pos += stored
+        if mode == 1:
+            plane = _scratch("plane", count)
+            zstd_decompress_into(blob, plane)
+        elif mode == 0 and blob.nbytes == count:
+            actual_crc = zlib.crc32(blob, actual_crc)
+            plane = np.frombuffer(blob, dtype=np.uint8)
+        else:
+            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {count} bytes)")
+        columns[:, i] = plane  # one strided pass per plane: ~8x faster than .T
+    tail = body[pos:]
+    if tail.nbytes != native_nbytes - count * itemsize:
+        raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
+    _check_crc(zlib.crc32(tail, actual_crc), crc)
+    copy_into(out[count * itemsize :], tail)
+    if flags & _FLAG_ROTATED and count:
+        uint = _UINT_BY_ITEMSIZE[itemsize]
+        elems = out[: count * itemsize].view(uint)
+        low = _scratch("low", count * itemsize).view(uint)
+        np.right_shift(elems, 1, out=low)
+        elems <<= itemsize * 8 - 1
+        elems |= low
+
+
+def _check_crc(actual: int, expected: int) -> None:
+    if actual != expected:
+        raise CorruptCheckpointError(f"CRC-32 of raw-stored bytes is {actual:#010x}, the chunk says {expected:#010x}")
