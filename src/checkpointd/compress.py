@@ -67,6 +67,7 @@ import zstandard as zstd
 from . import compress_planes as kernels
 from . import layout
 from .errors import ConfigError, CorruptCheckpointError
+from .streams import SeekableReader
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
@@ -449,7 +450,7 @@ class _ViewFile:
         return data
 
 
-class _DecodedReader(io.RawIOBase):
+class _DecodedReader(SeekableReader):
     """Seekable stream of a chunked file's native bytes, decoding chunks on the pool.
 
     A read decodes the chunks it spans and nothing else, so one tensor of a large file loads without
@@ -477,21 +478,8 @@ class _DecodedReader(io.RawIOBase):
         self._futures: dict[int, Future[np.ndarray]] = {}
         self._cached: tuple[int, np.ndarray] | None = None
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
+    def extent(self) -> int:
+        return self._size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

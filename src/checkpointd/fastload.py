@@ -21,7 +21,6 @@ usual errors (``UnsafeCheckpointError``, ``CorruptCheckpointError``).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import struct
@@ -33,6 +32,7 @@ import torch
 from . import ptlayout
 from .crc import crc32, crc32_combine
 from .checksum import format_crc
+from .streams import SeekableReader
 
 logger = logging.getLogger("checkpointd")
 
@@ -40,7 +40,7 @@ READ_CHUNK_BYTES = 8 << 20
 _CRC_SLICE = 1 << 20
 
 
-class BufferReader(io.RawIOBase):
+class BufferReader(SeekableReader):
     """A seekable binary stream over a memoryview (no copy until ``readinto``)."""
 
     def __init__(self, view: memoryview) -> None:
@@ -48,26 +48,8 @@ class BufferReader(io.RawIOBase):
         self._view = view
         self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 0:
-            pos = offset
-        elif whence == 1:
-            pos = self._pos + offset
-        else:
-            pos = self._view.nbytes + offset
-        if pos < 0:
-            raise ValueError("negative seek position")
-        self._pos = pos
-        return pos
+    def extent(self) -> int:
+        return self._view.nbytes
 
     def getbuffer(self) -> memoryview:
         """The whole underlying view, zero-copy (codecs slice compressed frames out of it)."""

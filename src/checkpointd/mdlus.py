@@ -34,6 +34,7 @@ import torch
 
 from checkpointd.errors import CheckpointError, CorruptCheckpointError, StateError, UnsafeCheckpointError
 from checkpointd.serialize import PtPlan, Sink, write_pt
+from checkpointd.streams import WriteOnlyStream
 
 ARGS_MEMBER = "args.json"
 METADATA_MEMBER = "metadata.json"
@@ -185,7 +186,7 @@ def write_mdlus(
     missing = {ARGS_MEMBER, METADATA_MEMBER} - json_members.keys()
     if missing:
         raise ValueError(f"write_mdlus: json_members lacks {sorted(missing)}; build it with mdlus_json_members()")
-    with zipfile.ZipFile(_WriteOnly(sink), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zipfile.ZipFile(WriteOnlyStream(sink), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name in (ARGS_MEMBER, METADATA_MEMBER):
             zf.writestr(zipfile.ZipInfo(name, date_time=_ZIP_DATE), json_members[name])
         info = zipfile.ZipInfo(MODEL_MEMBER, date_time=_ZIP_DATE)
@@ -229,24 +230,6 @@ class _HintedMemberWriter(_MemberWriter):
 def _member_writer(member: BinaryIO, outer: Sink) -> _MemberWriter:
     # write_pt sets dtype_hint only on sinks that have it, so the attribute must exist only then.
     return _HintedMemberWriter(member, outer) if hasattr(outer, "dtype_hint") else _MemberWriter(member, outer)
-
-
-class _WriteOnly(io.RawIOBase):
-    """Presents a sink to ``zipfile`` as unseekable, so it streams with data descriptors."""
-
-    def __init__(self, sink: Sink) -> None:
-        self._sink = sink
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def write(self, data: Any) -> int:  # type: ignore[override]
-        view = memoryview(data)
-        self._sink.write(view)
-        return view.nbytes
 
 
 # --- reading -----------------------------------------------------------------------------------------

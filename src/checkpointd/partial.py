@@ -41,6 +41,7 @@ import torch
 from . import commit, layout
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .storage import Store
+from .streams import SeekableReader
 
 __all__ = ["CheckpointFile", "TensorInfo", "load_tensor", "load_tensors", "open_file", "split_key"]
 
@@ -466,28 +467,15 @@ def _read_exact(stream: BinaryIO, n: int, where: str) -> bytes:
     return data
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableReader):
     """Read-only, seekable view of bytes ``[start, start + length)`` of a seekable stream."""
 
     def __init__(self, raw: BinaryIO, start: int, length: int) -> None:
         super().__init__()
         self._raw, self._start, self._length, self._pos = raw, start, length, 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
+    def extent(self) -> int:
+        return self._length
 
     def readinto(self, buffer: Any) -> int:
         dest = memoryview(buffer).cast("B")

@@ -215,11 +215,31 @@ def apply_entry(e: Entry, value: Any) -> None:
         with torch.no_grad():
             e.obj.copy_(value)
     elif e.kind == "data":
+        value = _onto_live_devices(e.obj, value)
         if isinstance(e.obj, dict):
             e.obj.clear()
             e.obj.update(value)
         else:
             e.obj[:] = value
+
+
+def _onto_live_devices(live: Any, saved: Any) -> Any:
+    """Saved plain data with each tensor moved to where the live tensor at the same place lives.
+
+    Tensors in registered dicts/lists load as CPU tensors; a live CUDA tensor under the same key gets
+    its value back on its own device, dtype and memory format (copied into a tensor like it).
+    """
+    if isinstance(saved, torch.Tensor) and isinstance(live, torch.Tensor):
+        if live.shape == saved.shape and (live.device != saved.device or live.dtype != saved.dtype or live.stride() != saved.stride()):
+            out = torch.empty_like(live)
+            out.copy_(saved)
+            return out
+        return saved
+    if isinstance(saved, dict) and isinstance(live, dict):
+        return type(saved)((k, _onto_live_devices(live[k], v) if k in live else v) for k, v in saved.items())
+    if isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live):
+        return [_onto_live_devices(a, b) for a, b in zip(live, saved)]
+    return saved
 
 
 def match_optimizer_state_layout(optimizer: torch.optim.Optimizer) -> None:

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .streams import WriteOnlyStream
+
 ARCHIVE_DIR = "archive"
 """Top-level folder inside the zip; ``torch.load`` accepts any single name."""
 
@@ -124,7 +126,7 @@ def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = N
         dtypes: optional element dtype per record key, set on ``sink.dtype_hint`` while that record's
             bytes pass (a codec uses it to pick a float-aware transform).
     """
-    stream = _Unseekable(sink)
+    stream = WriteOnlyStream(sink)
     with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         _put(zf, "data.pkl", plan.pickle_bytes)
         _put(zf, ".format_version", b"1")
@@ -170,27 +172,6 @@ def pt_nbytes_estimate(plan: PtPlan) -> int:
 def _put(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
     info = zipfile.ZipInfo(f"{ARCHIVE_DIR}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
     zf.writestr(info, data)
-
-
-class _Unseekable(io.RawIOBase):
-    """Presents a sink to ``zipfile`` as a write-only, unseekable stream."""
-
-    def __init__(self, sink: Sink) -> None:
-        self._sink = sink
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def write(self, data: Any) -> int:  # type: ignore[override]
-        view = memoryview(data)
-        self._sink.write(view)
-        return view.nbytes
-
-    def flush(self) -> None:
-        pass
 
 
 __all__ = ["PtPlan", "plan_pt", "write_pt", "storage_view", "OrderedDict"]

@@ -1,0 +1,61 @@
+"""Small file-like adapters shared by the writers and readers.
+
+``zipfile`` and ``torch.load`` want file objects; the pipeline has sinks (anything with ``write``) and
+byte ranges. These adapters are the only glue between the two, so each exists once.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+
+class WriteOnlyStream(io.RawIOBase):
+    """Presents a sink to ``zipfile`` as a write-only, unseekable stream.
+
+    Unseekable on purpose: ``zipfile`` then streams members with data descriptors instead of seeking
+    back to patch headers, which object-store uploads and codec streams cannot do.
+    """
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data)
+        self._sink.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+class SeekableReader(io.RawIOBase):
+    """Read-only, seekable stream over ``extent()`` bytes; subclasses implement ``readinto`` at ``_pos``."""
+
+    _pos: int = 0
+
+    def extent(self) -> int:
+        """Total length in bytes."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.extent()}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
