@@ -302,7 +302,7 @@ class FaultyFileSystem(AbstractFileSystem):
         if "r" in mode and "+" not in mode:
             self.plan.check("read", path)
             return self.target.open(path, mode, **kwargs)
-        from checkpointd.storage import _GuardedFile  # plain fsspec files commit on exceptions
+        from checkpointd.storage_writers import _GuardedFile  # plain fsspec files commit on exceptions
 
         self.plan.check("open", path)
         return _FaultyWriter(self.plan, path, _GuardedFile(self.target, path))
