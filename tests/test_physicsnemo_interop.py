@@ -141,3 +141,24 @@ def test_physicsnemo_load_checkpoint_reads_uncompressed_step_dir(
 
     for check in ("load_checkpoint epoch 7", "load_checkpoint state", "step from_checkpoint", "step weights_only"):
         assert f"OK {check}\n" in out
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_load_reads_a_physicsnemo_save_checkpoint_directory(pn_export: Path, step: int | None) -> None:
+    """``checkpointd.load`` on a folder PhysicsNeMo's ``save_checkpoint`` wrote: one epoch for every file
+    (the newest, or ``step``), models by their PhysicsNeMo names, the training-state keys beside them."""
+    from checkpointd import load
+
+    epoch = 2 if step is None else step
+    got = load(pn_export / "pn_ckpt", step=step)
+    expected = torch.load(pn_export / f"pn_ckpt_expected_{epoch}.pt", weights_only=True)
+    assert got["epoch"] == epoch
+    assert got["metadata"] == {"loss": float(epoch)}
+    for name in ("TinyNet", "Sequential"):
+        assert list(got[name]) == list(expected[name])
+        for key, tensor in expected[name].items():
+            assert torch.equal(got[name][key], tensor), (name, key)
+    for index, state in expected["optimizer_state_dict"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optimizer_state_dict"]["state"][index][key], value), (index, key)
+    assert got["scheduler_state_dict"] == expected["scheduler_state_dict"]

@@ -5,6 +5,7 @@
                                   args_tree.json  the model's _args with nested modules as subtrees
                                   pn_zip.mdlus    Module.save (2.2.2's zip)
                                   pn_tar.mdlus    the same as a pre-2.0 tar, checked with from_checkpoint
+                                pn_ckpt/        save_checkpoint at epochs 1 and 2 (+ pn_ckpt_expected_N.pt)
     interop.py check-mdlus DIR  load DIR/ours.mdlus (written by checkpointd) with TinyNet.from_checkpoint,
                                 Module.from_checkpoint and model.load; compare with DIR/state.pt
     interop.py load-step STEP_DIR EXPECTED
@@ -51,7 +52,28 @@ def export(out: Path) -> None:
     model.save(str(out / "pn_zip.mdlus"))
     write_legacy_tar(out / "pn_zip.mdlus", out / "pn_tar.mdlus")
     assert_same_state(Module.from_checkpoint(str(out / "pn_tar.mdlus")), model.state_dict(), "legacy tar")
+    save_pn_checkpoints(out / "pn_ckpt", out)
     print("OK export")
+
+
+def save_pn_checkpoints(ckpt_dir: Path, out: Path) -> None:
+    """PhysicsNeMo's own ``save_checkpoint`` at epochs 1 and 2 (a TinyNet .mdlus, a Sequential .pt,
+    checkpoint.0.N.pt); what each epoch holds goes to ``out/pn_ckpt_expected_<N>.pt``."""
+    from physicsnemo.utils.checkpoint import save_checkpoint
+
+    net, plain, optimizer, scheduler = pn_models.build_training(seed=3)
+    ckpt_dir.mkdir()
+    for epoch in (1, 2):
+        loss = net(torch.randn(5, 4)).square().sum() + net.conv(torch.randn(1, 2, 5, 5)).sum()
+        (loss + plain(torch.randn(5, 3)).square().sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        save_checkpoint(str(ckpt_dir), models=[net, plain], optimizer=optimizer, scheduler=scheduler,
+                        epoch=epoch, metadata={"loss": float(epoch)})
+        torch.save({"TinyNet": net.state_dict(), "Sequential": plain.state_dict(),
+                    "optimizer_state_dict": optimizer.state_dict(), "scheduler_state_dict": scheduler.state_dict()},
+                   out / f"pn_ckpt_expected_{epoch}.pt")
 
 
 def write_legacy_tar(zip_path: Path, tar_path: Path) -> None:
