@@ -107,17 +107,14 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         try:
             job.before_write()
-            t1 = time.perf_counter()
-            job.timings["stage_wait_secs"] = t1 - t0
-            futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
-            entries = [f.result() for f in futures]  # re-raises the first failure
-        finally:
+        except BaseException:
             job.after_files()
+            raise
+        job.timings["stage_wait_secs"] = time.perf_counter() - t0
+        error = self.write_files(job)
+        if error is not None:
+            raise error
         t2 = time.perf_counter()
-        job.timings["write_secs"] = t2 - t1
-        job.manifest.files = entries
-        job.written_bytes = sum(e.size for e in entries)
-        job.raw_bytes = sum(e.raw_size or 0 for e in entries)
         if job.commit_hook is not None:
             job.commit_hook(job)
         else:
@@ -127,6 +124,31 @@ class BackgroundWriter:
         if job.after_commit is not None:
             job.after_commit(job)
         job.timings["retention_secs"] = time.perf_counter() - t3
+
+    def write_files(self, job: SaveJob) -> BaseException | None:
+        """Write every file of ``job`` in parallel; returns the first failure (None if all succeeded).
+
+        Waits for *every* file before freeing the staging buffers (``after_files``), also after a
+        failure: a file still being written reads those buffers. Fills ``job.manifest.files``, the
+        byte counts and ``write_secs``.
+        """
+        t1 = time.perf_counter()
+        entries: list[FileEntry] = []
+        error: BaseException | None = None
+        try:
+            futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
+            for future in futures:
+                try:
+                    entries.append(future.result())
+                except BaseException as exc:  # noqa: BLE001 - keep the first, wait for the rest
+                    error = error or exc
+        finally:
+            job.after_files()
+        job.timings["write_secs"] = time.perf_counter() - t1
+        job.manifest.files = entries
+        job.written_bytes = sum(e.size for e in entries)
+        job.raw_bytes = sum(e.raw_size or 0 for e in entries)
+        return error
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.retry is not None:

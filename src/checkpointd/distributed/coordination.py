@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from .. import commit
 from ..errors import CheckpointError
-from ..manifest import FileEntry
 from ..writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
@@ -116,25 +115,14 @@ class DistributedWriter(BackgroundWriter):
             job.before_write()
         except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
             error = exc
-        t1 = time.perf_counter()
-        job.timings["stage_wait_secs"] = t1 - t0
+        job.timings["stage_wait_secs"] = time.perf_counter() - t0
         ready = coord.all_gather(None if error is None else _describe(error), group=group)
-        entries: list[FileEntry] = []
-        try:
-            if error is None and all(r is None for r in ready):
-                futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
-                for f in futures:  # wait for every file, keep the first failure
-                    try:
-                        entries.append(f.result())
-                    except BaseException as exc:  # noqa: BLE001
-                        error = error or exc
-        finally:
+        if error is None and all(r is None for r in ready):
+            error = self.write_files(job)
+        else:
             job.after_files()
+        entries = job.manifest.files
         t2 = time.perf_counter()
-        job.timings["write_secs"] = t2 - t1
-        job.manifest.files = entries
-        job.written_bytes = sum(e.size for e in entries)
-        job.raw_bytes = sum(e.raw_size or 0 for e in entries)
         report = {"rank": coord.rank, "error": None if error is None else _describe(error),
                   "files": [asdict(e) for e in entries], "extra": job.manifest.extra.get("_rank_local")}
         reports = coord.all_gather(report, group=group)
