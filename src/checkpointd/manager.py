@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import operator
 import os
 import threading
 import time
@@ -200,8 +201,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failures()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        step = _as_step(step)
         preempted = self._preemption is not None and self._preemption.save_pending
         due = force or preempted or self._schedule.is_due(step)
         if self._dist is not None and not force:  # rank 0 decides time-based saves for every rank
@@ -558,6 +558,17 @@ class CheckpointManager:
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
+
+
+def _as_step(step: Any) -> int:
+    """``step`` as a plain int (NumPy and other integer types accepted); ConfigError otherwise."""
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"step must be a non-negative integer, got {step!r} ({type(step).__name__})")
+    return value
 
 
 def _as_steps(at_steps: Iterable[int]) -> list[int]:
