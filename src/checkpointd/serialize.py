@@ -38,10 +38,6 @@ class Sink(Protocol):
     def write(self, data: Any, /) -> int: ...
 
 
-class DtypeHintSink(Sink, Protocol):
-    dtype_hint: torch.dtype | None
-
-
 @dataclass
 class PtPlan:
     """Everything needed to write one ``.pt`` file; cheap to build, holds no copy of tensor bytes."""
@@ -157,21 +153,9 @@ def storage_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def tensor_bytes_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a CPU tensor's own span of memory (dense tensors only)."""
-    flat = t.detach().reshape(-1) if t.is_contiguous() else None
-    if flat is None:
-        raise ValueError("tensor_bytes_view needs a contiguous tensor")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
-
-
-def pt_nbytes_estimate(plan: PtPlan) -> int:
-    return len(plan.pickle_bytes) + plan.data_nbytes
-
-
 def _put(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
     info = zipfile.ZipInfo(f"{ARCHIVE_DIR}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
     zf.writestr(info, data)
 
 
-__all__ = ["PtPlan", "plan_pt", "write_pt", "storage_view", "OrderedDict"]
+__all__ = ["PtPlan", "Sink", "plan_pt", "storage_view", "write_pt"]

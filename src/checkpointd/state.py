@@ -8,7 +8,6 @@ The trees still reference live tensors; the snapshot stage copies them.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -310,8 +309,6 @@ def copy_tree(obj: Any, on_tensor: Callable[[torch.Tensor], Any]) -> Any:
         return tuple(copy_tree(v, on_tensor) for v in obj)
     if isinstance(obj, (set, frozenset)):
         return type(obj)(copy_tree(v, on_tensor) for v in obj)
-    if isinstance(obj, float) and math.isnan(obj):
-        return obj
     return obj
 
 
