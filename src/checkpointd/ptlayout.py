@@ -19,6 +19,13 @@ record starts on an aligned offset (64 bytes, as ``.storage_alignment`` says; 4 
 3. the CRC-32 of the whole file (the manifest checksum) is combined from all pieces in file order:
    every byte is read exactly once, by the thread that writes it.
 
+Two ways to put the bytes in the file (``CHECKPOINTD_WRITE_MODE``): ``pwrite`` (default) and ``mmap``.
+Linux serialises buffered writes into one file (the inode lock), so ``pwrite`` from many threads runs
+at one thread's speed per file (~3 GB/s on tmpfs); copying into a shared mapping of the pre-sized file
+scales with threads (measured on 2 cores: 1.44 -> 2.61 GB/s, pwrite 2.50 -> 2.26). ``mmap`` reserves the
+space with ``posix_fallocate`` first, so a full disk fails with ENOSPC rather than SIGBUS. It stays
+opt-in until it is measured on a many-core host.
+
 ``.mdlus`` files nest a ``.pt`` image as the stored member ``model.pt``; its layout is computed the
 same way, relative to its own start, and its CRC combined from its pieces.
 
@@ -29,6 +36,7 @@ exercise them without 4 GiB files).
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import sys
@@ -394,20 +402,65 @@ def plan_tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[tuple[Piece, 
     return tasks
 
 
-def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                executor: Executor | None = None) -> WriteResult:
-    """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) with positional writes.
+def write_mode() -> str:
+    """``pwrite`` or ``mmap`` (environment ``CHECKPOINTD_WRITE_MODE``; default ``pwrite``)."""
+    mode = os.environ.get("CHECKPOINTD_WRITE_MODE", "pwrite").strip().lower()
+    return mode if mode in ("pwrite", "mmap") else "pwrite"
 
-    The caller owns ``fd`` (opening, fsync, closing, removal on failure).
+
+def _copy_task(dest: Any, work: list[tuple[int, Any]]) -> list[int]:
+    """Copy ``(offset, view)`` pieces into the mapped file, CRC-32 of each slice just before its copy."""
+    import numpy as np
+
+    crcs = []
+    for offset, view in work:
+        crc = 0
+        pos = 0
+        n = view.nbytes
+        while pos < n:
+            part = view[pos:pos + CRC_SLICE_BYTES]
+            crc = crc32(part, crc)
+            size = part.nbytes
+            np.copyto(dest[offset + pos:offset + pos + size], np.frombuffer(part, dtype=np.uint8))
+            pos += CRC_SLICE_BYTES
+        crcs.append(crc)
+    return crcs
+
+
+def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                executor: Executor | None = None, mode: str | None = None) -> WriteResult:
+    """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) from many threads.
+
+    The caller owns ``fd`` (opening, fsync, closing, removal on failure). ``mode``: see the module
+    docstring (None reads ``CHECKPOINTD_WRITE_MODE``).
     """
     os.ftruncate(fd, img.end)
     data = img.data_pieces()
     tasks = plan_tasks(data, chunk_bytes)
+    mapped = None
+    if (mode or write_mode()) == "mmap" and img.end > 0:
+        import numpy as np
 
-    def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
-        return lambda: _write_task(fd, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+        os.posix_fallocate(fd, 0, img.end)  # ENOSPC here, never SIGBUS while copying
+        try:
+            mapped = mmap.mmap(fd, img.end, access=mmap.ACCESS_WRITE)
+        except (PermissionError, ValueError):  # a write-only descriptor cannot be mapped: positional writes
+            mapped = None
+    if mapped is not None:
+        dest = np.frombuffer(mapped, dtype=np.uint8)
 
-    results = run_tasks([make(t) for t in tasks], executor)
+        def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
+            return lambda: _copy_task(dest, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+    else:
+        def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
+            return lambda: _write_task(fd, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+
+    try:
+        results = run_tasks([make(t) for t in tasks], executor)
+    finally:
+        if mapped is not None:
+            del dest, make
+            mapped.close()  # unmapped: the pages are in the file's page cache; fsync makes them durable
     for task, crcs in zip(tasks, results):
         for (p, a, b), crc in zip(task, crcs):
             p.crc = crc if p.crc is None or a == 0 else crc32_combine(p.crc, crc, b - a)
@@ -430,7 +483,7 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
 
     On any failure the partial file is removed and the error raised.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)  # RDWR: mmap mode
     try:
         result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor)
         if durable:
