@@ -20,6 +20,7 @@ Restore goes ``commit.read_committed_manifest`` -> ``restore.read_step`` (verify
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import operator
@@ -27,6 +28,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -143,6 +145,7 @@ class CheckpointManager:
         self._overwrite = bool(overwrite)
         self._max_pending = max_pending
         self._store = _open_store(root, storage_options, retry_timeout_secs)
+        self._exit_timeout_secs = retry_timeout_secs + 60.0
         self._remote: Store | None = None
         if local_dir is not None:  # two tiers: saves commit on local disk, the uploader copies them to root
             self._remote = self._store
@@ -183,6 +186,7 @@ class CheckpointManager:
         if signals:
             self._preemption = PreemptionWatcher(signals)
         self._install_hooks()
+        self._atexit = _register_flush_at_exit(self) if self._dist is None else None
         self._prepare_buffers()
 
     # ------------------------------------------------------------------------------------------
@@ -496,6 +500,8 @@ class CheckpointManager:
 
     def _shutdown(self) -> None:
         self._closed = True
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
         if self._preemption is not None:
             self._preemption.uninstall()
         if self._uploader is not None:
@@ -558,6 +564,34 @@ class CheckpointManager:
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
+
+
+def _register_flush_at_exit(mgr: "CheckpointManager") -> Any:
+    """At interpreter exit, finish the saves a manager that was never closed still has in flight.
+
+    Without it, the writer threads (daemons) die with the interpreter and a started save is silently
+    not committed. Single-process only: in a distributed run the other ranks may already be gone.
+    """
+    ref = weakref.ref(mgr)
+
+    def flush() -> None:
+        m = ref()
+        if m is None or m._closed or not m._pending:
+            return
+        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(m._pending))
+        try:
+            m.close(timeout=m._exit_timeout_secs)
+        except CheckpointError as exc:
+            logger.error("checkpointd: a save could not be finished at exit: %s", exc)
+
+    # threading's exit hooks run (newest first) before concurrent.futures stops accepting work, and
+    # before plain atexit handlers; fall back to atexit where that private hook does not exist.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(flush)
+        return None
+    atexit.register(flush)
+    return flush
 
 
 def _as_step(step: Any) -> int:
