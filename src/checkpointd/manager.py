@@ -29,9 +29,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -40,7 +37,6 @@ from . import commit, layout, restore as restore_mod
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
@@ -56,22 +52,12 @@ from .savejob import stage_save, staging_layout
 from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
+from .inflight import InFlight
 from .writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
 _VALID_MODES = ("full", "sharded")
-@dataclass
-class _Stats:
-    saves_started: int = 0
-    saves_committed: int = 0
-    saves_failed: int = 0
-    snapshot_secs_total: float = 0.0
-    snapshot_secs_last: float = 0.0
-    bytes_written_total: int = 0
-    raw_bytes_total: int = 0
-
-
 class CheckpointManager:
     """Asynchronous checkpoints of ``state`` under ``root`` (SPEC §1).
 
@@ -154,13 +140,9 @@ class CheckpointManager:
         self._dist = _distributed_runtime(self._entries, mode, dist_timeout_secs)
         self._closed = False
         self._lock = threading.RLock()
-        self._pending: deque[SaveJob] = deque()
-        self._inflight_steps: set[int] = set()
+        self._inflight = InFlight()
         self._committed: set[int] | None = None
         self._metrics = MetricsCache(self._store)
-        self._failures: list[tuple[SaveJob, BaseException]] = []
-        self._stats = _Stats()
-        self._last_job: SaveJob | None = None
         self._last_committed: int | None = None
         if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
             raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
@@ -212,9 +194,9 @@ class CheckpointManager:
             due = self._dist.is_due(due, time_based=self._schedule.every_n_seconds is not None)
         if not due:
             return False
+        if step in self._inflight.steps():
+            return False
         with self._lock:
-            if step in self._inflight_steps:
-                return False
             already = step in self._committed_steps()
         if preempted and already and not force and not self._overwrite:
             self._preemption.save_pending = False  # this step is saved already: nothing more to do
@@ -235,8 +217,8 @@ class CheckpointManager:
                                                              _mdlus_members())
         self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
         # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
-        while len(self._pending) >= self._max_pending:
-            self._wait_job(self._pending[0], timeout=None)
+        while len(self._inflight) >= self._max_pending:
+            self._inflight.wait_for(self._inflight.oldest(), timeout=None)  # type: ignore[arg-type]
         if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
             self._uploader.wait_backlog(self._max_pending)
         self._raise_failures()
@@ -245,12 +227,7 @@ class CheckpointManager:
                          codec_name=self._codec.name, locations=locations, extra=extra,
                          clear_step_dir=self._clear_step_dir)
         job.after_commit = self._after_commit
-        self._stats.snapshot_secs_last = time.perf_counter() - t0
-        self._stats.snapshot_secs_total += self._stats.snapshot_secs_last
-        self._stats.saves_started += 1
-        with self._lock:
-            self._pending.append(job)
-            self._inflight_steps.add(step)
+        self._inflight.add(job, time.perf_counter() - t0)
         self._writer.submit(job)
         self._schedule.mark_saved()
         if preempted:
@@ -297,8 +274,7 @@ class CheckpointManager:
             self._apply_retention(last)
 
     def _apply_retention(self, just_committed: int) -> None:
-        with self._lock:
-            protected = set(self._inflight_steps) - {just_committed}
+        protected = self._inflight.steps() - {just_committed}
         if self._uploader is not None:
             protected |= self._uploader.pending_steps()  # never delete a step before its upload
         deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics)
@@ -318,13 +294,9 @@ class CheckpointManager:
         """
         self._snap.flush()  # queue snapshot copies now rather than after the writer's grace period
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                job = self._pending[0] if self._pending else None
-            if job is None:
-                break
+        while (job := self._inflight.oldest()) is not None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._wait_job(job, remaining)
+            self._inflight.wait_for(job, remaining)
         if self._uploader is not None:
             self._raise_failures()  # a local failure first: its step will never be uploaded
             self._uploader.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -343,35 +315,7 @@ class CheckpointManager:
         """
         self._snap.wait_host()
 
-    def _wait_job(self, job: SaveJob, timeout: float | None) -> None:
-        try:
-            job.future.result(timeout=timeout)
-        except FutureTimeout as exc:
-            raise CheckpointTimeoutError(
-                f"the save of step {job.step} was still running after {timeout:.3g} s; call wait() again or raise the timeout"
-            ) from exc
-        except BaseException:  # noqa: BLE001 - handled by _reap
-            pass
-        self._reap()
-
-    def _reap(self) -> None:
-        """Move finished jobs out of the pending queue, recording failures."""
-        with self._lock:
-            while self._pending and self._pending[0].future.done():
-                job = self._pending.popleft()
-                self._inflight_steps.discard(job.step)
-                exc = job.future.exception()
-                if exc is None:
-                    self._stats.saves_committed += 1
-                    self._stats.bytes_written_total += job.written_bytes
-                    self._stats.raw_bytes_total += job.raw_bytes
-                    self._last_job = job
-                else:
-                    self._stats.saves_failed += 1
-                    self._failures.append((job, exc))
-
     def _raise_failures(self) -> None:
-        self._reap()
         upload_failure = self._uploader.pop_failure() if self._uploader is not None else None
         if upload_failure is not None:
             step, exc = upload_failure
@@ -382,10 +326,10 @@ class CheckpointManager:
                 f"{_failure_hint(exc)}",
                 step=step,
             ) from exc
-        with self._lock:
-            if not self._failures:
-                return
-            job, exc = self._failures.pop(0)
+        failure = self._inflight.pop_failure()
+        if failure is None:
+            return
+        job, exc = failure
         raise CheckpointWriteError(
             f"background save of step {job.step} to {self._store.display(job.step_dir)} failed: "
             f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact."
@@ -465,27 +409,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-phase seconds of the last committed save, totals, bytes and compression ratio."""
-        self._reap()
-        s = self._stats
-        last = self._last_job
-        out: dict[str, Any] = {
-            "saves_started": s.saves_started,
-            "saves_committed": s.saves_committed,
-            "saves_failed": s.saves_failed,
-            "saves_pending": len(self._pending),
+        out = self._inflight.stats()
+        out.update({
             "last_committed_step": self._last_committed,
-            "snapshot_secs_last": s.snapshot_secs_last,
-            "snapshot_secs_total": s.snapshot_secs_total,
-            "bytes_written_total": s.bytes_written_total,
-            "raw_bytes_total": s.raw_bytes_total,
-            "compression_ratio": (s.raw_bytes_total / s.bytes_written_total) if s.bytes_written_total else None,
             "codec": self._codec.name,
             "pinned_bytes": self._snap.pinned_bytes,
             "staging_allocations": self._snap.arena_allocations,
-        }
-        if last is not None:
-            out["last_save"] = {"step": last.step, **last.timings, "bytes_written": last.written_bytes,
-                                "raw_bytes": last.raw_bytes}
+        })
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -495,7 +425,7 @@ class CheckpointManager:
         try:
             self.wait(timeout)
         finally:
-            if not self._pending:
+            if not len(self._inflight):
                 self._shutdown()
 
     def _shutdown(self) -> None:
@@ -576,9 +506,9 @@ def _register_flush_at_exit(mgr: "CheckpointManager") -> Any:
 
     def flush() -> None:
         m = ref()
-        if m is None or m._closed or not m._pending:
+        if m is None or m._closed or not len(m._inflight):
             return
-        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(m._pending))
+        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(m._inflight))
         try:
             m.close(timeout=m._exit_timeout_secs)
         except CheckpointError as exc:

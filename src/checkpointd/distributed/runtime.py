@@ -9,8 +9,10 @@ The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is i
   rank one file with its own blocks (layout in ``assemble.py``);
 - writes through :class:`~checkpointd.distributed.coordination.DistributedWriter` (rank 0 commits after
   every rank reported success; :meth:`merge_manifest` lists every rank's files);
-- restores with :meth:`restore_step`: every rank reads and verifies the files, the ranks agree that all
-  verified, then each rank copies its part into the live objects in place.
+- restores with :meth:`restore_step`: every rank reads and verifies the files it needs (full mode: rank 0's
+  files and its own RNG file; sharded mode: rank 0's file, its own for RNG, and only the rank files whose
+  blocks overlap its regions), the ranks agree that all verified, then each rank copies its part into
+  the live objects in place.
 
 RNG under a changed world size: per-rank RNG streams cannot be mapped onto a different number of ranks,
 so when the checkpoint's world size differs from the current one the RNG state is left as it is (a
@@ -35,8 +37,9 @@ from ..storage import Store
 from ..writer import SaveJob
 from .assemble import shard_file_name, sharded_values
 from .coordination import Coordinator, DistributedWriter
-from .sharding import copy_into, materialize, merge_records, split_tree
-from .state_dicts import gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state, owner_module
+from .sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
+from .state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
+                          owner_module, plan_module, plan_optimizer)
 
 logger = logging.getLogger("checkpointd")
 
@@ -167,11 +170,7 @@ class DistributedRuntime:
 
     def _read(self, store: Store, step_dir: str, manifest: Manifest) -> tuple[dict[str, Any], Any]:
         if manifest.mode == "sharded":
-            contents = restore_mod.read_step(store, step_dir, manifest, rank=None)
-            values = sharded_values(manifest, contents)
-            own = manifest.extra["sharded"]["rank_files"].get(str(self.rank))
-            rng = contents.get(own, {}).get(RNG_KEY) if own else None
-            return values, rng
+            return self._read_sharded(store, step_dir, manifest)
         wanted = {f.path for f in manifest.files if f.rank == 0}
         own_rng = (manifest.extra.get("rng_files") or {}).get(str(self.rank))
         if own_rng:
@@ -185,6 +184,88 @@ class DistributedRuntime:
         if self.rank != 0 and not own_rng:
             rng = None
         return values, rng
+
+    @staticmethod
+    def _read_files(store: Store, step_dir: str, manifest: Manifest, paths: set[str]) -> dict[str, Any]:
+        """Read and verify (checksums against the manifest) the listed files of the step."""
+        files = [f for f in manifest.files if f.path in paths]
+        if not files:
+            return {}
+        return restore_mod.read_step(store, step_dir, Manifest(**{**manifest.__dict__, "files": files}), rank=None)
+
+    def _read_sharded(self, store: Store, step_dir: str, manifest: Manifest) -> tuple[dict[str, Any], Any]:
+        """This rank's part of a sharded step: rank 0's file, its own (for RNG), and the files holding its blocks.
+
+        1. rank 0's file (the entries skeleton, plain tensors) and, when RNG is restored (same world size),
+           this rank's own file; also any data file that is not a rank's shard file;
+        2. the plan (:meth:`_plan_reads`): the blocks that overlap the regions the load will ask for,
+           from the manifest's block records and the live objects' placements;
+        3. the rank files holding those blocks, each verified; a needed block missing from its file is
+           CorruptCheckpointError here, before the ranks agree, so nothing is applied.
+        When no plan can be made, every rank file is read (the behaviour before plans existed).
+        """
+        info = manifest.extra.get("sharded")
+        if not isinstance(info, dict) or not isinstance(info.get("rank_files"), dict):
+            raise CorruptCheckpointError(f"step {manifest.step}: sharded manifest without extra['sharded'] layout")
+        rank_files = {int(r): p for r, p in info["rank_files"].items()}
+        shard_paths = set(rank_files.values())
+        own = rank_files.get(self.rank) if manifest.world_size == self.world_size else None
+        first = {f.path for f in manifest.files if f.path not in shard_paths} | {rank_files.get(0, ""), own or ""}
+        contents = self._read_files(store, step_dir, manifest, first)
+        values = sharded_values(manifest, contents)  # its leaves read `contents` lazily: later reads land there too
+        plan = self._plan_reads(values)
+        needed_ranks = set(rank_files) if plan is None else plan[0]
+        listed = {f.path for f in manifest.files}
+        for r in sorted(needed_ranks):
+            if rank_files.get(r) not in listed:
+                raise CorruptCheckpointError(f"step {manifest.step}: the shard file of rank {r} is not listed in the manifest")
+        contents.update(self._read_files(store, step_dir, manifest, {rank_files[r] for r in needed_ranks} - set(contents)))
+        if plan is not None:
+            for name, key, r in sorted(plan[1]):
+                content = contents.get(rank_files[r])
+                blocks = content.get("blocks", {}) if isinstance(content, dict) else {}
+                if key not in (blocks.get(name) or {}):
+                    raise CorruptCheckpointError(f"step {manifest.step}: entry {name!r} tensor {key}: rank {r}'s file lacks its block")
+        logger.debug("rank %d restores step %d from the shard files of ranks %s", self.rank, manifest.step, sorted(needed_ranks | {0}))
+        rng = contents.get(own, {}).get(RNG_KEY) if own and isinstance(contents.get(own), dict) else None
+        return values, rng
+
+    def _plan_reads(self, values: dict[str, Any]) -> tuple[set[int], set[tuple[str, str, int]]] | None:
+        """(ranks whose files hold blocks this rank's load will copy, {(entry, tensor key, rank)}); None: read all.
+
+        Mirrors :meth:`_apply` without touching anything: a leaf copied into a live DTensor needs the blocks
+        overlapping that DTensor's local region; every other sharded leaf (plain live tensors, materialized
+        values, FSDP1) needs all its blocks.
+        """
+        regions: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+        def want(leaf: ShardedLeaf, live: Any) -> None:
+            regions.setdefault(id(leaf), []).append(leaf.target_region(live))
+
+        try:
+            for e in self.entries:
+                v = values.get(e.name)
+                if e.kind == "module" and isinstance(v, dict):
+                    plan_module(e.obj, v, want)
+                elif e.kind == "optimizer" and isinstance(v, dict):
+                    plan_optimizer(e.obj, self.owner[e.name], v, want)
+                elif e.kind == "tensor" and isinstance(v, ShardedLeaf):
+                    want(v, e.obj)
+        except Exception as exc:  # noqa: BLE001 - the load will report it; read everything meanwhile
+            logger.debug("no read plan (%s: %s); reading every shard file", type(exc).__name__, exc)
+            return None
+        ranks: set[int] = set()
+        needed: set[tuple[str, str, int]] = set()
+        for e in self.entries:
+            for _path, leaf in walk(values.get(e.name)):
+                if not isinstance(leaf, ShardedLeaf):
+                    continue
+                wanted = regions.get(id(leaf)) or [(tuple(0 for _ in leaf.shape), leaf.shape)]
+                for offsets, shape in wanted:
+                    for block in leaf.blocks_for(offsets, shape):  # CorruptCheckpointError if not covered
+                        ranks.add(int(block["rank"]))
+                        needed.add((leaf.name, leaf.key, int(block["rank"])))
+        return ranks, needed
 
     def _check(self, values: dict[str, Any], step: int) -> None:
         """Refuse before touching anything when a module's keys differ from the checkpoint's."""

@@ -167,16 +167,37 @@ class ShardedLeaf:
         self.shape = tuple(record["global_shape"])
         self.dtype = getattr(torch, record["dtype"])
 
-    def region(self, offsets: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The values of ``[offsets, offsets + shape)`` of the global tensor (copied into ``out`` if given)."""
-        if out is None:
-            out = torch.empty(shape, dtype=self.dtype)
+    def blocks_for(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[dict[str, Any]]:
+        """The stored blocks overlapping ``[offsets, offsets + shape)``, from the manifest alone (nothing is read).
+
+        Raises CorruptCheckpointError when they do not cover the region (the checkpoint is incomplete).
+        """
+        found: list[dict[str, Any]] = []
         covered = 0
         for block in self.record["blocks"]:
             lo = [max(o, b) for o, b in zip(offsets, block["offsets"])]
             hi = [min(o + s, b + bs) for o, s, b, bs in zip(offsets, shape, block["offsets"], block["shape"])]
             if any(h <= l for l, h in zip(lo, hi)) and len(shape) > 0:
                 continue
+            found.append(block)
+            covered += math.prod(h - l for l, h in zip(lo, hi))
+        if covered != math.prod(shape):
+            raise CorruptCheckpointError(
+                f"entry {self.name!r} tensor {self.key}: the stored blocks cover {covered} of the {math.prod(shape)} "
+                "elements asked for; the checkpoint is incomplete"
+            )
+        return found
+
+    def region(self, offsets: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of ``[offsets, offsets + shape)`` of the global tensor (copied into ``out`` if given).
+
+        Reads only the rank files whose blocks overlap the region (see :meth:`blocks_for`).
+        """
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype)
+        for block in self.blocks_for(offsets, shape):
+            lo = [max(o, b) for o, b in zip(offsets, block["offsets"])]
+            hi = [min(o + s, b + bs) for o, s, b, bs in zip(offsets, shape, block["offsets"], block["shape"])]
             src = self._read_blocks(block["rank"]).get(self.key)
             if src is None:
                 raise CorruptCheckpointError(f"entry {self.name!r} tensor {self.key}: rank {block['rank']}'s file lacks its block")
@@ -184,13 +205,13 @@ class ShardedLeaf:
             dst_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
             with torch.no_grad():
                 out[dst_sl].copy_(src[src_sl])
-            covered += math.prod(h - l for l, h in zip(lo, hi))
-        if covered != math.prod(shape):
-            raise CorruptCheckpointError(
-                f"entry {self.name!r} tensor {self.key}: the stored blocks cover {covered} of the {math.prod(shape)} "
-                "elements asked for; the checkpoint is incomplete"
-            )
         return out
+
+    def target_region(self, live: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The region :func:`copy_into` asks of this leaf for ``live``: a DTensor's local block, else the whole tensor."""
+        if is_dtensor(live) and tuple(live.shape) == self.shape:
+            return local_region(live)
+        return tuple(0 for _ in self.shape), self.shape
 
     def full(self) -> torch.Tensor:
         """The whole global tensor, in the memory format the blocks had (channels_last stays so)."""

@@ -18,7 +18,7 @@ undoes the storage-order/logical-order mismatch that scrambles channels_last opt
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -118,21 +118,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
         _load_optimizer_fsdp1(optimizer, model, stored, where)
         return
     saved_groups = stored.get("param_groups", [])
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise StateMismatchError(f"{where}: {len(optimizer.param_groups)} live param groups, {len(saved_groups)} saved")
-    fqn_of = {id(p): clean_fqn(n) for n, p in unwrap_module(model).named_parameters()} if model is not None else {}
-    param_of: dict[Any, torch.nn.Parameter] = {}
-    for i, (sg, lg) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        if len(sg["params"]) != len(lg["params"]):
-            raise StateMismatchError(f"{where}: param group {i} has {len(lg['params'])} live parameters, {len(sg['params'])} saved")
-        if sg["params"] and all(isinstance(k, str) for k in sg["params"]):
-            by_fqn = {fqn_of.get(id(p)): p for p in lg["params"]}
-            for k in sg["params"]:
-                if k not in by_fqn:
-                    raise StateMismatchError(f"{where}: saved parameter {k!r} is not in live param group {i} (live: {sorted(str(x) for x in by_fqn)[:5]})")
-                param_of[k] = by_fqn[k]
-        else:
-            param_of.update(zip(sg["params"], lg["params"]))
+    param_of = _param_map(optimizer, model, saved_groups, where)
     saved_state = stored.get("state", {})
     if saved_state and not optimizer.state:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -151,6 +137,26 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
                 lg[k] = v
 
 
+def _param_map(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, saved_groups: list[Any], where: str) -> dict[Any, torch.nn.Parameter]:
+    """Saved parameter key (FQN or index) -> live parameter, group by group."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise StateMismatchError(f"{where}: {len(optimizer.param_groups)} live param groups, {len(saved_groups)} saved")
+    fqn_of = {id(p): clean_fqn(n) for n, p in unwrap_module(model).named_parameters()} if model is not None else {}
+    param_of: dict[Any, torch.nn.Parameter] = {}
+    for i, (sg, lg) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if len(sg["params"]) != len(lg["params"]):
+            raise StateMismatchError(f"{where}: param group {i} has {len(lg['params'])} live parameters, {len(sg['params'])} saved")
+        if sg["params"] and all(isinstance(k, str) for k in sg["params"]):
+            by_fqn = {fqn_of.get(id(p)): p for p in lg["params"]}
+            for k in sg["params"]:
+                if k not in by_fqn:
+                    raise StateMismatchError(f"{where}: saved parameter {k!r} is not in live param group {i} (live: {sorted(str(x) for x in by_fqn)[:5]})")
+                param_of[k] = by_fqn[k]
+        else:
+            param_of.update(zip(sg["params"], lg["params"]))
+    return param_of
+
+
 def _load_state_value(live: dict[str, Any], name: str, v: Any, p: torch.Tensor, where: str) -> None:
     shape = stored_shape(v)
     lv = live.get(name)
@@ -167,6 +173,48 @@ def _load_state_value(live: dict[str, Any], name: str, v: Any, p: torch.Tensor, 
         live[name] = t
     else:
         live[name] = materialize(v).clone() if isinstance(v, torch.Tensor) else materialize(v)
+
+
+# -- planning reads (before anything is read beyond rank 0's skeleton) ------------------------------
+Want = Callable[[ShardedLeaf, Any], None]
+"""``want(leaf, live)``: the load will copy ``leaf`` into ``live`` (see :meth:`ShardedLeaf.target_region`)."""
+
+
+def plan_module(model: torch.nn.Module, stored: dict[str, Any], want: Want) -> None:
+    """Name, for each stored leaf :func:`load_module` copies, the live tensor it goes into (no side effects).
+
+    Leaves not named (FSDP1: everything is materialized) are read whole by the caller.
+    """
+    if is_fsdp1(model):
+        return
+    for k, t in live_module_state(model).items():
+        v = stored.get(k)
+        if isinstance(t, torch.Tensor) and isinstance(v, ShardedLeaf):
+            want(v, t)
+
+
+def plan_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, stored: dict[str, Any], want: Want) -> None:
+    """Like :func:`plan_module` for :func:`load_optimizer`: mirrors :func:`_load_state_value`'s choice of target.
+
+    An optimizer without state yet gets it from ``_init_optim_state`` (zeros like each parameter, same
+    placements), so the parameter stands in for the state tensor it will have.
+    """
+    if model is not None and is_fsdp1(model):
+        return
+    param_of = _param_map(optimizer, model, stored.get("param_groups", []), "plan")
+    for key, st in stored.get("state", {}).items():
+        p = param_of.get(key)
+        if p is None or not isinstance(st, dict):
+            continue
+        live = optimizer.state.get(p) or {}
+        for name, v in st.items():
+            if not isinstance(v, ShardedLeaf):
+                continue
+            lv = live.get(name)
+            if isinstance(lv, torch.Tensor) and tuple(lv.shape) == v.shape:
+                want(v, lv)
+            elif v.shape == tuple(p.shape) and len(v.shape) > 0:
+                want(v, p)
 
 
 # -- FSDP1 ----------------------------------------------------------------------------------------
