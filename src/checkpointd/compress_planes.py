@@ -34,6 +34,8 @@ _SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 _KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
 _FLAG_ROTATED = 1
 _UINT_BY_ITEMSIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_INT_BY_ITEMSIZE = {2: np.int16, 4: np.int32, 8: np.int64}
+_UINT_BY_WIDTH = {1: np.uint8, **_UINT_BY_ITEMSIZE}
 
 _local = threading.local()
 
@@ -115,22 +117,25 @@ def plane_itemsize(dtype: torch.dtype | None) -> int:
 def _to_planes(view: Any, itemsize: int) -> np.ndarray:
     """(itemsize, n) planes of the rotated elements in ``view`` (whole elements only).
 
-    The rotation goes through per-thread scratch (no 4 MiB temporaries per chunk); each plane is one
-    strided pass into its row, several times faster than NumPy's generic transposing copy.
+    Plane ``j`` is byte ``j`` of each element rotated left by one bit, computed without materializing
+    the rotation or transposing bytes: for ``j >= 1`` it is ``x >> (8j - 1)`` truncated to a byte (one
+    contiguous shift into per-thread scratch, one SIMD narrowing copy); plane 0 is ``x`` truncated,
+    doubled, with the sign bit added. Every pass is contiguous, about 2-3x faster than the strided byte
+    copies of a transpose. (NumPy's ``uint8`` left shift is scalar code; multiplying by 2 is not.)
     """
-    bits = itemsize * 8
     count = memoryview(view).nbytes // itemsize
-    uint = _UINT_BY_ITEMSIZE[itemsize]
-    elems = np.frombuffer(view, dtype=uint, count=count)
-    rotated = _scratch("rotated", count * itemsize).view(uint)
-    high = _scratch("high", count * itemsize).view(uint)
-    np.left_shift(elems, 1, out=rotated)
-    np.right_shift(elems, bits - 1, out=high)
-    rotated |= high
-    columns = rotated.view(np.uint8).reshape(count, itemsize)
+    elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=count)
     planes = np.empty((itemsize, count), dtype=np.uint8)
-    for i in range(itemsize):
-        planes[i] = columns[:, i]
+    shifted = _scratch("shifted", count * itemsize).view(elems.dtype)
+    for j in range(1, itemsize):
+        np.right_shift(elems, 8 * j - 1, out=shifted)
+        np.copyto(planes[j], shifted, casting="unsafe")
+    low = planes[0]
+    np.copyto(low, elems, casting="unsafe")
+    np.multiply(low, 2, out=low)
+    sign = _scratch("sign", count)
+    np.less(elems.view(_INT_BY_ITEMSIZE[itemsize]), 0, out=sign.view(np.bool_))
+    low |= sign
     return planes
 
 
@@ -226,35 +231,70 @@ def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
 
 
 def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, out: np.ndarray) -> None:
-    """Native bytes of a planes chunk into ``out``: each plane into its byte column, then rotate back."""
+    """Native bytes of a planes chunk into ``out``: planes interleaved into elements, then rotated back."""
     native_nbytes = out.nbytes
     count = native_nbytes // itemsize
-    columns = out[: count * itemsize].reshape(count, itemsize)
-    pos, actual_crc = _PLANE.size * itemsize, 0
+    pos, actual_crc, planes = _PLANE.size * itemsize, 0, []
+    decoded = _scratch("planes", count * itemsize).reshape(itemsize, count)
     for i in range(itemsize):
         mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
         blob = body[pos : pos + stored]
         pos += stored
         if mode == 1:
-            plane = _scratch("plane", count)
+            plane = decoded[i]
             zstd_decompress_into(blob, plane)
         elif mode == 0 and blob.nbytes == count:
             actual_crc = zlib.crc32(blob, actual_crc)
             plane = np.frombuffer(blob, dtype=np.uint8)
         else:
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {count} bytes)")
-        columns[:, i] = plane  # one strided pass per plane: ~8x faster than .T
+        planes.append(plane)
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
     _check_crc(zlib.crc32(tail, actual_crc), crc)
     copy_into(out[count * itemsize :], tail)
-    if flags & _FLAG_ROTATED and count:
+    if count:
+        _from_planes(planes, out[: count * itemsize], rotated=bool(flags & _FLAG_ROTATED))
+
+
+def _from_planes(planes: list[np.ndarray], out: np.ndarray, rotated: bool = True) -> None:
+    """Interleave ``planes`` (byte ``j`` of each element in ``planes[j]``) into ``out``, rotate back.
+
+    Byte interleaving is a tree of contiguous widen / multiply / OR passes: planes pair into 2-byte
+    words, words into 4-byte words (``out`` itself for 2- and 4-byte elements). For 8-byte elements a
+    third level costs more than it saves, so the 2-byte words go into ``out``'s columns by strided
+    copies. Much faster than one strided byte copy per plane.
+    """
+    itemsize = len(planes)
+    count = planes[0].shape[0]
+    word = 2 if itemsize == 8 else itemsize  # bytes the tree merges; 8-byte elements: 4 strided columns
+    columns = out.view(_UINT_BY_WIDTH[word]).reshape(count, itemsize // word)
+    for c in range(itemsize // word):
+        level, width = planes[c * word : (c + 1) * word], 1
+        while len(level) > 1:
+            wide = _UINT_BY_WIDTH[2 * width]
+            merged = []
+            for idx in range(0, len(level), 2):
+                if 2 * width == itemsize:
+                    dst = out.view(wide)
+                else:
+                    dst = _scratch(f"merge{width}_{idx}", count * 2 * width).view(wide)
+                tmp = _scratch(f"merge_tmp{width}", count * 2 * width).view(wide)
+                np.copyto(dst, level[idx + 1])
+                np.multiply(dst, wide(1 << (8 * width)), out=dst)  # << 8 * width (shifts are slower)
+                np.copyto(tmp, level[idx])
+                np.bitwise_or(dst, tmp, out=dst)
+                merged.append(dst)
+            level, width = merged, 2 * width
+        if word < itemsize:
+            columns[:, c] = level[0]
+    if rotated:
         uint = _UINT_BY_ITEMSIZE[itemsize]
-        elems = out[: count * itemsize].view(uint)
+        elems = out.view(uint)
         low = _scratch("low", count * itemsize).view(uint)
         np.right_shift(elems, 1, out=low)
-        elems <<= itemsize * 8 - 1
+        np.multiply(elems, uint(1 << (itemsize * 8 - 1)), out=elems)
         elems |= low
 
 

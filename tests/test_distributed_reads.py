@@ -1,0 +1,150 @@
+"""Sharded restore reads only the shard files a rank needs (gloo on CPU; nccl with CHECKPOINTD_TEST_BACKEND=nccl).
+
+Saved at 4 ranks with every tensor ``Shard(0)`` over 4 (rows 2r, 2r+1 in rank r's file), restored at 2:
+rank 0's rows 0..3 live in the files of ranks 0 and 1, rank 1's rows 4..7 in those of ranks 2 and 3.
+Rank 0's file is read by everyone (the entries skeleton and the plain tensors). Reads are counted at the
+storage level: the restore goes through ``faulty://`` with a fault plan whose only rule is a pure
+"delay" of zero seconds on reads, so every read is recorded in ``plan.injected`` and none fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from dist_harness import device, run_distributed
+
+import checkpointd
+from checkpointd import CheckpointManager
+
+
+class Even(nn.Module):
+    """Every parameter has 8 rows: Shard(0) over 4 ranks gives 2 rows each, over 2 ranks 4 rows each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Even().to(device())
+    fully_shard(model.a)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 11) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=g).to(next(model.parameters()).device)
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Gathered model and FQN-keyed optimizer state (collective), on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    sd = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}
+    osd = get_optimizer_state_dict(model, opt, options=opts)
+    state = {k: {n: (t.cpu().clone() if isinstance(t, torch.Tensor) else t) for n, t in st.items()} for k, st in osd["state"].items()}
+    return {"model": sd, "state": state}
+
+
+def save_at_4(rank: int, world: int, root: str) -> Any:
+    model, opt = _fsdp2(seed=0)
+    _train(model, opt, 2)
+    for _, p in model.named_parameters():
+        assert [type(pl).__name__ for pl in p.placements] == ["Shard"] and p.placements[0].dim == 0
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", every_n_steps=1, dist_timeout_secs=30) as mgr:
+        mgr.save(2)
+    full = _full(model, opt)  # collective
+    return full if rank == 0 else None
+
+
+def restore_counting_reads(rank: int, world: int, root: str) -> Any:
+    """Restore twice: into a fresh optimizer (no state yet), then into one that has state; log shard reads."""
+    from checkpointd.testing.faults import Fault, FaultPlan
+
+    model, opt = _fsdp2(seed=5)  # different init: everything must come from the checkpoint
+    out: dict[str, Any] = {"reads": [], "full": []}
+    plan = FaultPlan(Fault(op="read", path=lambda p: "/shards/" in p, error=None))
+    with CheckpointManager(f"faulty://{root}", {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30,
+                           storage_options={"target_protocol": "file", "faults": plan}) as mgr:
+        for attempt in range(2):
+            if attempt == 1:
+                _train(model, opt, 1, seed=3)  # live optimizer state now exists and differs from the checkpoint
+            plan.injected.clear()
+            assert mgr.restore_latest() == 2
+            out["reads"].append(sorted({Path(f.path).name for f in plan.injected}))
+            full = _full(model, opt)  # collective
+            out["full"].append(full if rank == 0 else None)
+    _train(model, opt, 1, seed=7)  # training goes on from the restored state
+    return out
+
+
+def restore_expecting_corruption(rank: int, world: int, root: str) -> Any:
+    """Only rank 1 reads the damaged file; every rank must refuse, and nothing may be applied anywhere."""
+    from checkpointd.errors import CorruptCheckpointError
+
+    model, opt = _fsdp2(seed=5)
+    _train(model, opt, 1, seed=3)
+    before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    error = ""
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        try:
+            mgr.restore(2)
+        except CorruptCheckpointError as exc:
+            error = str(exc)
+    unchanged = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    return {"error": error, "unchanged": unchanged}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert sorted(got["model"]) == sorted(want["model"])
+    for k, t in want["model"].items():
+        assert torch.equal(got["model"][k], t), k
+    assert sorted(got["state"]) == sorted(want["state"])
+    for k, st in want["state"].items():
+        for n, t in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][k][n]), torch.as_tensor(t)), (k, n)
+
+
+def test_reshard_4_to_2_reads_only_overlapping_shard_files(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    saved = run_distributed(save_at_4, 4, root)[0]
+    results = run_distributed(restore_counting_reads, 2, root)
+    for attempt in range(2):
+        assert results[0]["reads"][attempt] == ["rank-00000.pt.zst", "rank-00001.pt.zst"], results[0]["reads"]
+        assert results[1]["reads"][attempt] == ["rank-00000.pt.zst", "rank-00002.pt.zst", "rank-00003.pt.zst"], results[1]["reads"]
+        _assert_same(results[0]["full"][attempt], saved)
+    # checkpointd.load still assembles the whole checkpoint from every shard file
+    data = checkpointd.load(root)
+    for k, t in saved["model"].items():
+        assert torch.equal(data["model"][k], t), k
+    assert torch.equal(data["optim"]["state"]["b.weight"]["exp_avg_sq"], saved["state"]["b.weight"]["exp_avg_sq"])
+
+
+def test_damaged_shard_needed_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    run_distributed(save_at_4, 4, root)
+    damaged = Path(root, "step-000000002", "shards", "rank-00003.pt.zst")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    results = run_distributed(restore_expecting_corruption, 2, root)
+    for r in results:
+        assert "does not verify on every rank" in r["error"] and "rank-00003" in r["error"], r["error"]
+        assert r["unchanged"]
