@@ -265,3 +265,45 @@ def test_decoding_with_many_threads_matches_one_thread(name: str) -> None:
             results.append((bytes(whole), bytes(pieces), bytes(decode_bytes(name, encoded)), decode(codec, encoded)))
             assert bytes(fastload.decode_to_buffer(name, stored, len(native)).numpy()) == native
     assert results[0] == results[1] == ((native,) * 4)
+
+
+def _reference_planes(raw: bytes, itemsize: int) -> list[bytes]:
+    """The planes format spelled out element by element: rotate left one bit, byte j into plane j."""
+    bits, planes = itemsize * 8, [bytearray() for _ in range(itemsize)]
+    for start in range(0, len(raw) // itemsize * itemsize, itemsize):
+        x = int.from_bytes(raw[start : start + itemsize], "little")
+        rotated = ((x << 1) | (x >> (bits - 1))) & ((1 << bits) - 1)
+        for j, byte in enumerate(rotated.to_bytes(itemsize, "little")):
+            planes[j].append(byte)
+    return [bytes(p) for p in planes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 3, 17, 1001])
+def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
+    import numpy as np
+
+    from checkpointd import compress_planes as kernels
+
+    gen = torch.Generator().manual_seed(numel)
+    values = torch.randn(numel, generator=gen) * 0.02
+    values[: min(numel, 4)] = torch.tensor([float("inf"), -0.0, float("nan"), -3.5])[: min(numel, 4)]
+    itemsize = dtype.itemsize
+    raw = values.to(dtype).view(torch.uint8).numpy().tobytes()
+    expected = _reference_planes(raw, itemsize)
+    planes = kernels._to_planes(memoryview(raw), itemsize)
+    assert [bytes(p) for p in planes] == expected
+    out = np.zeros(len(raw), dtype=np.uint8)
+    kernels._from_planes([np.frombuffer(p, dtype=np.uint8) for p in expected], out)
+    assert out.tobytes() == raw
+    # whole chunks with an odd tail (partial element), every plane raw and every plane compressed
+    for tail in (b"", b"\x7f\x01\x02"[: itemsize - 1]):
+        chunk = memoryview(raw + tail)
+        for worth in ([False] * itemsize, [True] * itemsize):
+            parts = kernels.encode_planes(chunk, itemsize, worth)
+            assert [bytes(p) for p in parts[1 : 1 + itemsize] if not worth[0]] == (expected if not worth[0] else [])
+            body = b"".join(bytes(p) for p in parts)
+            frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+            decoded = np.zeros(len(chunk), dtype=np.uint8)
+            kernels.decode_chunk_into(memoryview(frame), decoded)
+            assert decoded.tobytes() == bytes(chunk)
