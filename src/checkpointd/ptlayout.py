@@ -366,18 +366,16 @@ def _pwrite_all(fd: int, view: Any, offset: int) -> None:
         offset += n
 
 
-def _write_task(fd: int, work: list[tuple[int, Any]]) -> list[int]:
-    """Write ``(offset, view)`` pieces, CRC-32 of each computed slice by slice just before its write."""
+def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]]) -> list[int]:
+    """Put ``(offset, view)`` pieces into the file with ``put(slice, offset)``, CRC-32 of each slice
+    computed just before it is put (while it is in cache)."""
     crcs = []
     for offset, view in work:
         crc = 0
-        pos = 0
-        n = view.nbytes
-        while pos < n:
+        for pos in range(0, view.nbytes, CRC_SLICE_BYTES):
             part = view[pos:pos + CRC_SLICE_BYTES]
             crc = crc32(part, crc)
-            _pwrite_all(fd, part, offset + pos)
-            pos += CRC_SLICE_BYTES
+            put(part, offset + pos)
         crcs.append(crc)
     return crcs
 
@@ -408,25 +406,6 @@ def write_mode() -> str:
     return mode if mode in ("pwrite", "mmap") else "pwrite"
 
 
-def _copy_task(dest: Any, work: list[tuple[int, Any]]) -> list[int]:
-    """Copy ``(offset, view)`` pieces into the mapped file, CRC-32 of each slice just before its copy."""
-    import numpy as np
-
-    crcs = []
-    for offset, view in work:
-        crc = 0
-        pos = 0
-        n = view.nbytes
-        while pos < n:
-            part = view[pos:pos + CRC_SLICE_BYTES]
-            crc = crc32(part, crc)
-            size = part.nbytes
-            np.copyto(dest[offset + pos:offset + pos + size], np.frombuffer(part, dtype=np.uint8))
-            pos += CRC_SLICE_BYTES
-        crcs.append(crc)
-    return crcs
-
-
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 executor: Executor | None = None, mode: str | None = None) -> WriteResult:
     """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) from many threads.
@@ -449,17 +428,20 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     if mapped is not None:
         dest = np.frombuffer(mapped, dtype=np.uint8)
 
-        def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
-            return lambda: _copy_task(dest, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+        def put(part: Any, offset: int) -> None:
+            np.copyto(dest[offset:offset + part.nbytes], np.frombuffer(part, dtype=np.uint8))
     else:
-        def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
-            return lambda: _write_task(fd, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+        def put(part: Any, offset: int) -> None:
+            _pwrite_all(fd, part, offset)
+
+    def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
+        return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task])
 
     try:
         results = run_tasks([make(t) for t in tasks], executor)
     finally:
         if mapped is not None:
-            del dest, make
+            del dest, put, make
             mapped.close()  # unmapped: the pages are in the file's page cache; fsync makes them durable
     for task, crcs in zip(tasks, results):
         for (p, a, b), crc in zip(task, crcs):

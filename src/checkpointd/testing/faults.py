@@ -51,6 +51,8 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
+from checkpointd.storage_writers import _WriterBase
+
 __all__ = [
     "OPS",
     "Fault",
@@ -358,7 +360,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.target.invalidate_cache(self._t(path) if path is not None else None)
 
 
-class _FaultyWriter:
+class _FaultyWriter(_WriterBase):
     """A Store writer (or guarded fsspec file) with faults on write() and close()."""
 
     def __init__(self, plan: FaultPlan, path: str, raw: Any) -> None:
@@ -382,15 +384,6 @@ class _FaultyWriter:
     def flush(self) -> None:
         self._raw.flush()
 
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
     def close(self) -> None:
         if self.closed:
             return
@@ -409,17 +402,6 @@ class _FaultyWriter:
             return
         self.closed = True
         self._raw.abort()
-
-    discard = abort
-
-    def __enter__(self) -> "_FaultyWriter":
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
