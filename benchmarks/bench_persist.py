@@ -77,6 +77,15 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_b
                     times.append(dt)
                     shutil.rmtree(d, ignore_errors=True)
                 add({"method": f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr", "kind": "raw", "times_s": times})
+            if thr > 1:  # the same into one mapped file (checkpointd's mode on tmpfs): scales where pwrite cannot
+                times = []
+                for _ in range(args.repeat):
+                    d = os.path.join(root, "raw")
+                    C.clean_dir(d)
+                    dt, _ = C.raw_write(d, views, nfiles=1, threads=thr, mmap_mode=True)
+                    times.append(dt)
+                    shutil.rmtree(d, ignore_errors=True)
+                add({"method": f"raw 1 file x {thr} thr (mmap)", "kind": "raw", "times_s": times})
     if "torch_save" in args.methods:
         times = []
         for _ in range(args.repeat):

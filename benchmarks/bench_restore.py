@@ -12,7 +12,10 @@ and the live tensors zeroed:
 - torch_load: torch.load(weights_only=True) to CPU, then model.load_state_dict + optimizer.load_state_dict
   (which copy into / onto the live device);
 - checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
-  (construction untimed, reported).
+  (construction untimed, reported);
+- checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
+  CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
+  in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
 
 Values are checked against checksums taken before saving ("ok" column). GB/s = state bytes / best time.
 Target (issue 6): restore_latest >= 0.7x raw.
@@ -36,7 +39,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd"]
+ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_bounce", "checkpointd_pageable",
+               "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
+STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
+                    "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
+                    "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
+                    "checkpointd_legacy": {"CHECKPOINTD_RESTORE_H2D": "legacy", "CHECKPOINTD_RESTORE_MMAP": "0"},
+                    "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
+"""Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
+fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
+DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
@@ -146,6 +158,9 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
         row["error"] = ckd
         return row
     compression = "zstd" if m.endswith("zstd") else None
+    knobs = STRATEGY_METHODS.get(m, {})
+    if knobs:
+        row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))
     if compression and not C.has_zstd():
         row["skipped"] = "zstandard is not installed"
         return row
@@ -165,6 +180,8 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
             t0 = time.perf_counter()
             mgr = C.make_manager(d, {"model": model, "optim": opt}, **kw)
             row.setdefault("setup_s", []).append(time.perf_counter() - t0)
+            saved_env = {k: os.environ.get(k) for k in knobs}
+            os.environ.update(knobs)
             try:
                 dev.sync()
                 t0 = time.perf_counter()
@@ -175,6 +192,11 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
                     row["notes"].append(f"restore_latest() returned {step!r}, expected 1")
                 row["stats"] = C.safe_stats(mgr)
             finally:
+                for k, v in saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
                 mgr.close()
         row["ok"] = check(model, opt, ref)
     except Exception as e:  # noqa: BLE001
@@ -231,7 +253,8 @@ def parse_args(argv=None):
     p.add_argument("--L", type=int, default=None)
     p.add_argument("--dirs", default=C.env_str("RESTORE_DIRS", C.env_str("PERSIST_DIRS", "/dev/shm/ckd-restore,/var/tmp/ckd-restore")),
                    help="comma list of target directories (each is created and removed)")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
+    p.add_argument("--methods", default=C.env_str("RESTORE_METHODS", ",".join(DEFAULT_METHODS)),
+                   help="comma list from " + ", ".join(ALL_METHODS) + " (default: " + ",".join(DEFAULT_METHODS) + ")")
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"))
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")

@@ -56,3 +56,62 @@ def test_mmap_mode_disk_full_is_a_clean_error(tmp_path: Path, monkeypatch: pytes
         if os.environ.get("CI", "").lower() in {"1", "true", "yes"} and os.geteuid() == 0:
             pytest.fail(f"small filesystem unavailable in CI as root: {exc}")
         pytest.skip(str(exc))
+
+
+def test_auto_mode_maps_files_on_tmpfs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` picks the mapping on tmpfs and positional writes elsewhere; the default is ``pwrite``."""
+    from checkpointd import fsinfo, ptlayout
+
+    monkeypatch.delenv("CHECKPOINTD_WRITE_MODE", raising=False)
+    fd = os.open(tmp_path / "default-probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert ptlayout.write_mode(fd) == "pwrite"
+    finally:
+        os.close(fd)
+    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "auto")
+    shm = Path("/dev/shm")
+    if fsinfo.filesystem_type(str(shm)) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    for directory, expected in ((shm, "mmap"), (tmp_path, "mmap" if fsinfo.is_memory_backed(fsinfo.filesystem_type(str(tmp_path))) else "pwrite")):
+        fd = os.open(directory / f"ckd-mode-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            assert ptlayout.write_mode(fd) == expected, directory
+        finally:
+            os.close(fd)
+            os.unlink(directory / f"ckd-mode-probe-{os.getpid()}")
+    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "pwrite")
+    fd = os.open(shm / f"ckd-mode-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert ptlayout.write_mode(fd) == "pwrite"  # an explicit choice wins
+    finally:
+        os.close(fd)
+        os.unlink(shm / f"ckd-mode-probe-{os.getpid()}")
+
+
+def test_filesystem_type_reads_mountinfo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from checkpointd import fsinfo
+
+    lines = [
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw",
+        "30 22 0:25 / /dev/shm rw,nosuid shared:5 - tmpfs tmpfs rw",
+        r"31 22 0:26 / /mnt/with\040space rw shared:6 - tmpfs tmpfs rw",
+    ]
+    info = tmp_path / "mountinfo"
+    info.write_text("\n".join(lines) + "\n")
+    real_open = open
+
+    def fake_open(path: Any, *a: Any, **k: Any) -> Any:
+        return real_open(info, *a, **k) if path == "/proc/self/mountinfo" else real_open(path, *a, **k)
+
+    fsinfo._mounts.cache_clear()
+    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(os.path, "realpath", lambda p: p)
+    try:
+        assert fsinfo.filesystem_type("/dev/shm/x/y") == "tmpfs"
+        assert fsinfo.filesystem_type("/dev/shmother") == "ext4"  # a prefix that is not a path component
+        assert fsinfo.filesystem_type("/mnt/with space/ckpt") == "tmpfs"
+        assert fsinfo.filesystem_type("/var/tmp") == "ext4"
+        assert fsinfo.is_memory_backed("tmpfs") and not fsinfo.is_memory_backed("ext4")
+    finally:
+        monkeypatch.undo()
+        fsinfo._mounts.cache_clear()

@@ -349,6 +349,14 @@ class _ChunkedEncoder:
             self._submit(piece, self.dtype_hint)
         return view.nbytes
 
+    def drain(self) -> None:
+        """Wait until no buffer passed to :meth:`write` is referenced any more (compressed and written).
+
+        For callers that reuse their buffers before ``close()`` (host-budget staging chunks).
+        """
+        while self._inflight:
+            self._drain_one()
+
     def close(self) -> None:
         """Write every remaining frame and the seek table; ``out`` stays open."""
         if self._closed:

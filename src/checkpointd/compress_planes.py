@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import struct
 import threading
-import zlib
 from typing import Any
 
 import numpy as np
 import torch
 import zstandard as zstd
 
+from .crc import crc32
 from .errors import CorruptCheckpointError
 
 _SAMPLE_ELEMENTS = 16 << 10
@@ -181,8 +181,8 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
         else:
             table.append(_PLANE.pack(0, plane.nbytes))
             blobs.append(plane)
-            crc = zlib.crc32(plane, crc)
-    crc = zlib.crc32(view[whole:], crc)
+            crc = crc32(plane, crc)
+    crc = crc32(view[whole:], crc)
     header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, _FLAG_ROTATED, view.nbytes, crc) + b"".join(table)
     return [header, *blobs, view[whole:]]
 
@@ -199,7 +199,7 @@ def encode_chunk(view: memoryview, dtype: torch.dtype | None, level: int) -> lis
         if len(packed) < view.nbytes:
             parts = [_CHUNK_HEADER.pack(_KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
         else:
-            parts = [_CHUNK_HEADER.pack(_KIND_RAW, 1, 0, view.nbytes, zlib.crc32(view)), view]
+            parts = [_CHUNK_HEADER.pack(_KIND_RAW, 1, 0, view.nbytes, crc32(view)), view]
     payload_nbytes = sum(memoryview(p).nbytes for p in parts)
     return [_FRAME_HEADER.pack(_SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
 
@@ -220,7 +220,7 @@ def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
         raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
     body = frame[_FRAME_HEADER.size + _CHUNK_HEADER.size :]
     if kind == _KIND_RAW and body.nbytes == size:
-        _check_crc(zlib.crc32(body), crc)
+        _check_crc(crc32(body), crc)
         copy_into(out, body)
     elif kind == _KIND_ZSTD:
         zstd_decompress_into(body, out)
@@ -248,7 +248,7 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
             plane = decoded[i] if merge else _scratch("plane", count)
             zstd_decompress_into(blob, plane)
         elif mode == 0 and blob.nbytes == count:
-            actual_crc = zlib.crc32(blob, actual_crc)
+            actual_crc = crc32(blob, actual_crc)
             plane = np.frombuffer(blob, dtype=np.uint8)
         else:
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {count} bytes)")
@@ -259,7 +259,7 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
-    _check_crc(zlib.crc32(tail, actual_crc), crc)
+    _check_crc(crc32(tail, actual_crc), crc)
     copy_into(out[count * itemsize :], tail)
     if merge and count:
         _from_planes(planes, out[: count * itemsize], rotated=bool(flags & _FLAG_ROTATED))

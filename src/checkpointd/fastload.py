@@ -21,7 +21,9 @@ usual errors (``UnsafeCheckpointError``, ``CorruptCheckpointError``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import struct
 import zipfile
@@ -81,21 +83,110 @@ def _read_task(fd: int, view: memoryview, start: int, stop: int) -> int:
     return crc
 
 
+MMAP_ENV = "CHECKPOINTD_RESTORE_MMAP"
+"""``auto`` (default): map files on tmpfs/ramfs of at least ``MMAP_MIN_BYTES`` instead of reading them
+when CUDA is available; ``1``: map every local file; ``0``: always read."""
+MMAP_MIN_BYTES = 64 << 20
+_MEMORY_FS = ("tmpfs", "ramfs")
+_MADV_POPULATE_READ = 22  # Linux 5.14+: map the pages read-only without faulting one by one
+
+
+def _fs_type(path: str) -> str | None:
+    """The file system type of ``path`` from /proc/self/mounts (longest mount point prefix)."""
+    try:
+        real = os.path.realpath(path)
+        best, kind = "", None
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+        return kind
+    except OSError:
+        return None
+
+
+def use_mmap(path: str, size: int) -> bool:
+    """Map rather than read: on a memory file system the pages are already in RAM.
+
+    Why: reading into freshly allocated memory is bound by page faults (each new page is zeroed,
+    then overwritten): measured 8 GB/s on a 16-core H200 host against 43 GB/s into touched memory. A
+    private mapping of a tmpfs file costs neither the zeroing nor the copy; writes (to tensors that
+    stay on CPU and view the buffer) go to private copies of the pages, never to the file.
+    """
+    mode = os.environ.get(MMAP_ENV, "auto").strip().lower()
+    if mode in ("0", "off", "no", "false") or size == 0:
+        return False
+    if mode in ("1", "on", "yes", "true"):
+        return True
+    # auto: only where the values go on to a GPU. On CPU-only runs restored optimizer state views the
+    # buffer; a mapping would keep the file's pages alive (after retention deletes it) beside the
+    # private copies that training writes.
+    return size >= MMAP_MIN_BYTES and torch.cuda.is_available() and _fs_type(path) in _MEMORY_FS
+
+
+def _populate(addr: int, length: int) -> None:
+    """Best effort ``madvise(MADV_POPULATE_READ)`` (ctypes releases the GIL); faults do it otherwise."""
+    fn = _libc_madvise()
+    if fn is not None:
+        fn(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ)
+
+
+_MADVISE: list[Any] = []
+
+
+def _libc_madvise() -> Any:
+    if not _MADVISE:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _MADVISE.append(fn)
+        except (OSError, AttributeError):
+            _MADVISE.append(None)
+    return _MADVISE[0]
+
+
+def _crc_task(buf: torch.Tensor, view: memoryview, start: int, stop: int) -> int:
+    """CRC-32 of the mapped bytes ``[start, stop)``, populating the page tables of the range first."""
+    _populate(buf.data_ptr() + start, stop - start)
+    crc = 0
+    for pos in range(start, stop, _CRC_SLICE):
+        crc = crc32(view[pos:min(stop, pos + _CRC_SLICE)], crc)
+    return crc
+
+
+def _map_file(fd: int, size: int) -> torch.Tensor:
+    """A private, copy-on-write mapping of the file as a uint8 tensor (unmapped when the tensor dies)."""
+    m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
+
+
 def read_file_verified(path: str, expected_size: int, where: str) -> tuple[torch.Tensor, int, str]:
     """``(buffer, size, checksum)``: the whole file in a uint8 tensor, read and checksummed in parallel.
 
     The caller compares size and checksum with the manifest before using the buffer. When the file's
-    size differs from ``expected_size`` nothing is read (checksum ``""``).
+    size differs from ``expected_size`` nothing is read (checksum ``""``). Files on a memory file
+    system are mapped instead of read (:func:`use_mmap`); the checksum covers the mapped bytes.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
         if size != expected_size:
             return torch.empty(0, dtype=torch.uint8), size, ""
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buf.numpy()).cast("B") if size else memoryview(b"")
         ranges = [(a, min(size, a + READ_CHUNK_BYTES)) for a in range(0, size, READ_CHUNK_BYTES)]
-        crcs = ptlayout.run_tasks([lambda a=a, b=b: _read_task(fd, view, a, b) for a, b in ranges])
+        if use_mmap(path, size):
+            buf = _map_file(fd, size)
+            view = memoryview(buf.numpy()).cast("B")
+            crcs = ptlayout.run_tasks([lambda a=a, b=b: _crc_task(buf, view, a, b) for a, b in ranges])
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+            view = memoryview(buf.numpy()).cast("B") if size else memoryview(b"")
+            crcs = ptlayout.run_tasks([lambda a=a, b=b: _read_task(fd, view, a, b) for a, b in ranges])
     finally:
         os.close(fd)
     crc = 0

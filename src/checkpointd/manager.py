@@ -81,6 +81,13 @@ class CheckpointManager:
         device_staging_budget_bytes: opt-in device staging: when the CUDA tensors of a save fit in
             this many bytes of GPU memory, they are first cloned into a reused GPU buffer (~2 TB/s), so
             training never waits for the device-to-host copy. Costs that much GPU memory.
+        host_staging_budget_bytes: opt-in host budget: stage CUDA state through a fixed ring of pinned
+            chunks totalling at most this many bytes (allocated once, reused) instead of one pinned
+            buffer the size of the state. The writer streams the state through it; the optimizer step
+            (and the registered modules' forward, for their buffers) waits on the host until every
+            tensor left the device, which costs about (state - budget) / write bandwidth per save.
+            With device staging also on and fitting, the stream reads the GPU copy and nothing waits.
+            Ignored (logged) on CPU-only torch; rejected with ``mode="full"`` under torch.distributed.
         local_dir: two tiers (see ``tiers.py``): commit every save on this local directory first,
             then upload it to ``root`` in the background; ``restore_latest`` prefers a verified local copy.
         save_on_signals: True (SIGTERM and SIGUSR1) or signal numbers: on such a signal the next
@@ -111,6 +118,7 @@ class CheckpointManager:
         file_threads: int | None = None,
         dist_timeout_secs: float = 600.0,
         device_staging_budget_bytes: int | None = None,
+        host_staging_budget_bytes: int | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         save_on_signals: bool | Iterable[int] = False,
     ) -> None:
@@ -120,6 +128,7 @@ class CheckpointManager:
             raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if not (isinstance(retry_timeout_secs, (int, float)) and retry_timeout_secs >= 0):
             raise ConfigError(f"retry_timeout_secs must be a number >= 0, got {retry_timeout_secs!r}")
+        _check_host_budget(host_staging_budget_bytes, mode)
         self._schedule = SaveSchedule(every_n_steps=every_n_steps, every_n_seconds=every_n_seconds,
                                       at_steps=frozenset(_as_steps(at_steps)))
         self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
@@ -146,7 +155,8 @@ class CheckpointManager:
         self._last_committed: int | None = None
         if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
             raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
-        self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes)
+        self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes,
+                                 host_budget_bytes=host_staging_budget_bytes)
         threads = file_threads or min(8, max(2, (os.cpu_count() or 2)))
         self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads) if self._dist is None
                         else self._dist.make_writer(self._store, self._codec, threads))
@@ -169,7 +179,10 @@ class CheckpointManager:
             self._preemption = PreemptionWatcher(signals)
         self._install_hooks()
         self._atexit = _register_flush_at_exit(self) if self._dist is None else None
-        self._prepare_buffers()
+        # Staging buffers are prepared at the first restore's end, maybe_save call or optimizer step,
+        # not here: pinning gigabytes in the background makes a restore that runs meanwhile read files
+        # several times slower (page faults and cudaHostRegister contend), and a restore comes first.
+        self._buffers_pending = True
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -186,6 +199,7 @@ class CheckpointManager:
             CheckpointWriteError: an earlier background save failed.
         """
         self._check_open()
+        self._prepare_pending_buffers()
         self._raise_failures()
         step = _as_step(step)
         preempted = self._preemption is not None and self._preemption.save_pending
@@ -358,6 +372,12 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        try:
+            return self._restore_latest()
+        finally:
+            self._prepare_pending_buffers()
+
+    def _restore_latest(self) -> int | None:
         if self._remote is not None:
             from .tiers import restore_latest_two_tier
 
@@ -382,6 +402,12 @@ class CheckpointManager:
         """Restore exactly ``step`` in place (verified first)."""
         self._check_open()
         self.wait()
+        try:
+            self._restore_exact(step)
+        finally:
+            self._prepare_pending_buffers()
+
+    def _restore_exact(self, step: int) -> None:
         store = self._store
         if self._remote is not None and not commit.is_committed(store, layout.step_dir_name(step)):
             store = self._remote  # two tiers: the local copy is gone (retention, another node): remote
@@ -415,6 +441,7 @@ class CheckpointManager:
             "codec": self._codec.name,
             "pinned_bytes": self._snap.pinned_bytes,
             "staging_allocations": self._snap.arena_allocations,
+            "staging_hook_wait_secs": self._snap.hook_wait_secs,
         })
         return out
 
@@ -469,7 +496,7 @@ class CheckpointManager:
     # hooks and buffer preparation
     # ------------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() or self._snap.needs_hooks
         for e in self._entries:
             if e.kind == "optimizer":
                 if cuda:
@@ -485,12 +512,25 @@ class CheckpointManager:
             self._opt_state_sizes[id(optimizer)] = size
             self._prepare_buffers()
 
+    def _prepare_pending_buffers(self) -> None:
+        """The deferred construction-time :meth:`_prepare_buffers` (see ``__init__``), once."""
+        if self._buffers_pending:
+            self._buffers_pending = False
+            self._prepare_buffers()
+
     def _prepare_buffers(self) -> None:
         """Allocate (and pin) staging buffers for the current state layout, in the background."""
-        if self._closed or getattr(self, "_dist", None) is not None:
-            return  # distributed: gathering is collective; the first save allocates, later saves reuse
+        self._buffers_pending = False
+        if self._closed:
+            return
+        dist_rt = getattr(self, "_dist", None)
         try:
-            files = build_files(self._entries, 0, {}, capture_rng(), self._codec.suffix)
+            if dist_rt is None:
+                files = build_files(self._entries, 0, {}, capture_rng(), self._codec.suffix)
+            else:  # sharded mode builds its files locally; full mode gathers (collective): its first save allocates
+                files = dist_rt.staging_files(capture_rng(), self._codec.suffix)
+                if files is None:
+                    return
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
@@ -522,6 +562,20 @@ def _register_flush_at_exit(mgr: "CheckpointManager") -> Any:
         return None
     atexit.register(flush)
     return flush
+
+
+def _check_host_budget(budget: Any, mode: str) -> None:
+    """``host_staging_budget_bytes``: a positive int or None; not with full-mode distributed saves."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ConfigError(f"host_staging_budget_bytes must be a positive int (bytes) or None, got {budget!r}")
+    from . import distributed
+
+    if mode == "full" and distributed.is_active():
+        raise ConfigError("host_staging_budget_bytes is not supported with mode='full' under torch.distributed "
+                          "(rank 0 stages the gathered full state); use mode='sharded', whose per-rank files stream "
+                          "through the budget, or drop the budget")
 
 
 def _as_step(step: Any) -> int:

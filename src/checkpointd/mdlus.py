@@ -168,7 +168,8 @@ def physicsnemo_version() -> str:
 
 
 def write_mdlus(
-    sink: Sink, json_members: dict[str, bytes], model_plan: PtPlan, dtypes: dict[str, torch.dtype] | None = None
+    sink: Sink, json_members: dict[str, bytes], model_plan: PtPlan, dtypes: dict[str, torch.dtype] | None = None,
+    records: Any = None,
 ) -> None:
     """Stream a ``.mdlus`` file into ``sink``: a STORED zip of ``args.json``, ``metadata.json``, ``model.pt``.
 
@@ -182,6 +183,7 @@ def write_mdlus(
         json_members: from :func:`mdlus_json_members`.
         model_plan: ``plan_pt`` of the module's flat state dict.
         dtypes: element dtype per record key of ``model_plan`` (forwarded to ``write_pt``).
+        records: host budget: where placeholder records' bytes come from (forwarded to ``write_pt``).
     """
     missing = {ARGS_MEMBER, METADATA_MEMBER} - json_members.keys()
     if missing:
@@ -191,7 +193,7 @@ def write_mdlus(
             zf.writestr(zipfile.ZipInfo(name, date_time=_ZIP_DATE), json_members[name])
         info = zipfile.ZipInfo(MODEL_MEMBER, date_time=_ZIP_DATE)
         with zf.open(info, "w", force_zip64=_needs_zip64(model_plan)) as member:
-            write_pt(model_plan, _member_writer(member, sink), dtypes)
+            write_pt(model_plan, _member_writer(member, sink), dtypes, records=records)
 
 
 def _needs_zip64(plan: PtPlan) -> bool:

@@ -19,12 +19,19 @@ record starts on an aligned offset (64 bytes, as ``.storage_alignment`` says; 4 
 3. the CRC-32 of the whole file (the manifest checksum) is combined from all pieces in file order:
    every byte is read exactly once, by the thread that writes it.
 
-Two ways to put the bytes in the file (``CHECKPOINTD_WRITE_MODE``): ``pwrite`` (default) and ``mmap``.
+Two ways to put the bytes in the file (``CHECKPOINTD_WRITE_MODE``): ``pwrite`` (default) and ``mmap``;
+``auto`` maps files on tmpfs and uses ``pwrite`` elsewhere (see :func:`write_mode` for why ``pwrite`` is
+the default).
 Linux serialises buffered writes into one file (the inode lock), so ``pwrite`` from many threads runs
 at one thread's speed per file (~3 GB/s on tmpfs); copying into a shared mapping of the pre-sized file
 scales with threads (measured on 2 cores: 1.44 -> 2.61 GB/s, pwrite 2.50 -> 2.26). ``mmap`` reserves the
-space with ``posix_fallocate`` first, so a full disk fails with ENOSPC rather than SIGBUS. It stays
-opt-in until it is measured on a many-core host.
+space with ``posix_fallocate`` first, so a full disk fails with ENOSPC rather than SIGBUS. On a 16-core
+host (3 GB, one file): tmpfs ``pwrite`` 2.6-3.1 GB/s at any thread count, ``mmap`` 5.2 GB/s at 8-16
+threads; ext4 ~1.5 GB/s either way (``benchmarks/RESULTS.md``).
+
+Under a host staging budget some records' bytes are not in memory when the layout is computed: they
+are :class:`Deferred` members (only the size is known), and a ``fill`` callback of the chunk stream
+writes them as their chunks arrive (``chunkstream.FileRecords.fill``), with the CRCs combined the same way.
 
 ``.mdlus`` files nest a ``.pt`` image as the stored member ``model.pt``; its layout is computed the
 same way, relative to its own start, and its CRC combined from its pieces.
@@ -135,6 +142,14 @@ class Piece:
     crc: int | None = None
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """Member content whose bytes arrive while the file is written (host budget); the size is known."""
+
+    key: str
+    nbytes: int
+
+
 @dataclass
 class _Member:
     name: bytes
@@ -165,7 +180,7 @@ class ZipImage:
         return out
 
     def data_pieces(self) -> list[Piece]:
-        """Pieces whose bytes are known before writing (member contents), in file order."""
+        """Pieces of member contents (known bytes, or :class:`Deferred`), in file order."""
         out: list[Piece] = []
         for m in self.members:
             if isinstance(m.content, ZipImage):
@@ -288,8 +303,11 @@ def build_zip(members: Iterable[tuple[str, Content, int]], origin: int = 0,
                 pad += align
             hdr_len += pad
             data_offset = pos + hdr_len
-            if callable(content):
-                body: list[Piece] | ZipImage = content(data_offset)
+            if isinstance(content, Deferred):
+                size = content.nbytes
+                body: list[Piece] | ZipImage = [Piece(data_offset, size, content)]
+            elif callable(content):
+                body = content(data_offset)
                 size = body.end - data_offset  # type: ignore[union-attr]
             else:
                 view = memoryview(content).cast("B")
@@ -322,8 +340,9 @@ def pt_members(plan: Any, align_small: int = SMALL_ALIGN, align_large: int = LAR
         (f"{a}/byteorder", sys.byteorder.encode(), 1),
     ]
     for key, holder in plan.storages:
-        view = storage_view(holder)
-        out.append((f"{a}/data/{key}", view, align_large if view.nbytes >= LARGE_RECORD_BYTES else align_small))
+        view: Any = Deferred(key, holder.untyped_storage().nbytes()) if holder.device.type == "meta" else storage_view(holder)
+        nbytes = view.nbytes
+        out.append((f"{a}/data/{key}", view, align_large if nbytes >= LARGE_RECORD_BYTES else align_small))
     out.append((f"{a}/version", b"3\n", 1))
     return out
 
@@ -400,24 +419,45 @@ def plan_tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[tuple[Piece, 
     return tasks
 
 
-def write_mode() -> str:
-    """``pwrite`` or ``mmap`` (environment ``CHECKPOINTD_WRITE_MODE``; default ``pwrite``)."""
+def write_mode(fd: int | None = None) -> str:
+    """``pwrite`` or ``mmap`` for the file ``fd``: environment ``CHECKPOINTD_WRITE_MODE`` (``pwrite``, the
+    default; ``mmap``; ``auto``: ``mmap`` on memory-backed filesystems such as tmpfs, ``pwrite`` elsewhere).
+
+    ``pwrite`` is the default although ``mmap`` persists ~2x faster on tmpfs: measured on an H200 host,
+    16 threads faulting pages of a mapping slowed the *training* steps that ran meanwhile by ~220 ms per
+    checkpoint (page faults and the training process's own memory mappings share one lock), against
+    ~25 ms for ``pwrite``. Use ``mmap``/``auto`` where persist time matters more than the training stall
+    (a final or preemption save, a process that only writes).
+    """
     mode = os.environ.get("CHECKPOINTD_WRITE_MODE", "pwrite").strip().lower()
-    return mode if mode in ("pwrite", "mmap") else "pwrite"
+    if mode != "auto":
+        return mode if mode in ("pwrite", "mmap") else "pwrite"
+    if fd is None:
+        return "pwrite"
+    from .fsinfo import fd_filesystem_type, is_memory_backed
+
+    return "mmap" if is_memory_backed(fd_filesystem_type(fd)) else "pwrite"
+
+
+FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None]], list[tuple[Piece, int, int, int]]]
+"""``fill(deferred pieces by key, put) -> [(piece, start, stop, crc)]``: writes :class:`Deferred` members."""
 
 
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                executor: Executor | None = None, mode: str | None = None) -> WriteResult:
+                executor: Executor | None = None, mode: str | None = None, fill: FillFn | None = None) -> WriteResult:
     """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) from many threads.
 
     The caller owns ``fd`` (opening, fsync, closing, removal on failure). ``mode``: see the module
-    docstring (None reads ``CHECKPOINTD_WRITE_MODE``).
+    docstring (None reads ``CHECKPOINTD_WRITE_MODE``). ``fill`` writes the :class:`Deferred` members.
     """
     os.ftruncate(fd, img.end)
     data = img.data_pieces()
-    tasks = plan_tasks(data, chunk_bytes)
+    deferred = [p for p in data if isinstance(p.data, Deferred)]
+    if deferred and fill is None:
+        raise ValueError("ptlayout: the image has deferred members but no fill was given")
+    tasks = plan_tasks([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes)
     mapped = None
-    if (mode or write_mode()) == "mmap" and img.end > 0:
+    if (mode or write_mode(fd)) == "mmap" and img.end > 0:
         import numpy as np
 
         os.posix_fallocate(fd, 0, img.end)  # ENOSPC here, never SIGBUS while copying
@@ -439,6 +479,8 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
 
     try:
         results = run_tasks([make(t) for t in tasks], executor)
+        if deferred:
+            _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put))  # type: ignore[misc]
     finally:
         if mapped is not None:
             del dest, put, make
@@ -459,15 +501,36 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
 
 
+def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:
+    """Set each deferred piece's CRC from the CRCs of its written ranges, which must cover it exactly."""
+    by_piece: dict[int, list[tuple[int, int, int]]] = {}
+    pieces: dict[int, Piece] = {}
+    for p, a, b, crc in runs:
+        by_piece.setdefault(id(p), []).append((a, b, crc))
+        pieces[id(p)] = p
+    for pid, ranges in by_piece.items():
+        p = pieces[pid]
+        ranges.sort()
+        crc, pos = 0, 0
+        for a, b, c in ranges:
+            if a != pos:
+                raise RuntimeError(f"ptlayout: deferred member bytes [{pos}, {a}) were not written")
+            crc = crc32_combine(crc, c, b - a)
+            pos = b
+        if pos != p.length:
+            raise RuntimeError(f"ptlayout: deferred member written up to {pos} of {p.length} bytes")
+        p.crc = crc
+
+
 def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               executor: Executor | None = None, durable: bool = True) -> WriteResult:
+               executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None) -> WriteResult:
     """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
 
-    On any failure the partial file is removed and the error raised.
+    On any failure the partial file is removed and the error raised. ``fill``: see :func:`write_image`.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)  # RDWR: mmap mode
     try:
-        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor)
+        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill)
         if durable:
             os.fsync(fd)
     except BaseException:

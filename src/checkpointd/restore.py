@@ -280,6 +280,7 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
         contents = read_step(store, step_dir, manifest)
         values = values_by_entry(manifest, contents)
     check_compatible(entries, values, manifest.step)
-    for e in entries:
-        apply_entry(e, values[e.name])
+    from .restore_apply import apply_entries
+
+    apply_entries(entries, values)  # bulk copies into the live tensors, then the per-entry rest
     return manifest, contents

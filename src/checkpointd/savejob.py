@@ -5,6 +5,10 @@ This is the seam between the training thread and the committer thread. On the tr
 appear twice, e.g. tied weights), and hands the tensors to the snapshot stage. The job it returns
 carries a ``before_write`` callback that runs on the committer thread: it waits for the copies, fills
 the slots with the staged buffers and pickles each file (``serialize.plan_pt``).
+
+Under a host staging budget the staged "buffers" of device tensors are meta placeholders: pickling
+needs only their layout. ``before_write`` then lays out the chunk stream in each file's record order
+(``ChunkStream.plan``) and gives every file its reader; the writer streams the bytes (``writer.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 from . import __version__, layout
 from .manifest import EntryLocation, Manifest
 from .serialize import plan_pt
-from .snapshot import Snapshotter, TensorSpec, tensor_spec
+from .chunkstream import ChunkStream
+from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree, resolve_deferred
 from .writer import FileJob, SaveJob
 
@@ -50,15 +55,16 @@ def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]
 
 
 def buffers_first(entries: Sequence[Entry], tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Order of ``tensors`` with the registered modules' CUDA buffers first, and how many those are.
+    """Order of ``tensors`` with the registered modules' buffers first, and how many those are.
 
-    The next forward pass (which updates e.g. BatchNorm statistics) waits only for that first group.
+    The next forward pass (which updates e.g. BatchNorm statistics) waits only for that first group
+    (CUDA buffers; CPU ones are copied in ``maybe_save``, except in the host-budget CPU test mode).
     """
-    ptrs: set[int] = set()
+    ptrs: set[tuple[str, int]] = set()
     for e in entries:
         if e.kind == "module":
-            ptrs.update(b.data_ptr() for b in e.obj.buffers() if b.device.type == "cuda")
-    first = [i for i, t in enumerate(tensors) if t.device.type == "cuda" and t.data_ptr() in ptrs]
+            ptrs.update((b.device.type, b.data_ptr()) for b in e.obj.buffers() if b.numel())
+    first = [i for i, t in enumerate(tensors) if t.numel() and (t.device.type, t.data_ptr()) in ptrs]
     chosen = set(first)
     return first + [i for i in range(len(tensors)) if i not in chosen], len(first)
 
@@ -118,6 +124,11 @@ def stage_save(
     job = SaveJob(step=step, step_dir=step_dir, files=[], manifest=manifest,
                   before_write=lambda: None, after_files=lambda: snapshotter.release(staged_in_order))
 
+    if isinstance(staged_in_order.copies, ChunkStream):
+        job.before_write = lambda: _before_streamed_write(job, files, skeletons, staged, order, staged_in_order,
+                                                          step_dir, clear_step_dir)
+        return job
+
     def before_write() -> None:  # committer thread
         staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
         clear_step_dir(step_dir)
@@ -129,6 +140,55 @@ def stage_save(
 
     job.before_write = before_write
     return job
+
+
+def _before_streamed_write(job: SaveJob, files: list[FileContent], skeletons: list[Any], staged: list[torch.Tensor],
+                           order: list[int], staged_in_order: StagedTensors, step_dir: str,
+                           clear_step_dir: Callable[[str], None]) -> None:
+    """``before_write`` under a host budget (committer thread): pickle against placeholders, plan the stream.
+
+    Values needed to pickle (DeferredScalars, e.g. GradScaler's scale) are fetched from the device
+    first; every other placeholder becomes a record whose bytes the chunk stream delivers.
+    """
+    stream: ChunkStream = staged_in_order.copies
+    source_of = {order[pos]: src for pos, src in staged_in_order.streamed.items()}  # slot index -> stream source
+    staged = list(staged)
+    for i in sorted(_deferred_slots(skeletons)):
+        if i in source_of:
+            staged[i] = stream.fetch(source_of[i])
+    by_storage = {staged[i].untyped_storage()._cdata: src for i, src in source_of.items() if staged[i].device.type == "meta"}
+    clear_step_dir(step_dir)
+    records = []
+    for f, skeleton in zip(files, skeletons):
+        tree = resolve_deferred(_fill_slots(skeleton, staged))
+        plan = plan_pt(tree, allow_placeholders=True)
+        job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=_record_dtypes(tree, plan),
+                                 json_members=f.json_members, rank=f.rank))
+        records.append([(key, by_storage[h.untyped_storage()._cdata], h.untyped_storage().nbytes())
+                        for key, h in plan.storages if h.device.type == "meta"])
+    for fjob, reader in zip(job.files, stream.plan(records)):
+        fjob.records = reader
+    job.stream = stream
+
+
+def _deferred_slots(skeletons: list[Any]) -> set[int]:
+    """Slot indices that DeferredScalars refer to (their values are needed before pickling)."""
+    out: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, DeferredScalar):
+            if isinstance(obj.tensor, _Slot):
+                out.add(obj.tensor.index)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v)
+
+    for sk in skeletons:
+        visit(sk)
+    return out
 
 
 def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:

@@ -64,20 +64,26 @@ _V3_DTYPES = frozenset(torch.storage._new_dtypes())
 _STORAGE_TYPE_NAMES = torch.storage._dtype_to_storage_type_map()
 
 
-def plan_pt(obj: Any) -> PtPlan:
+def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
     """Pickle ``obj`` the way ``torch.save`` does; tensors must be on the CPU.
 
     Each distinct storage becomes one record holding the storage's bytes, so callers pass tensors that
     own exactly their bytes (the snapshot stage guarantees this), never views into a larger buffer.
+
+    Args:
+        allow_placeholders: accept meta tensors as stand-ins for CPU tensors whose bytes arrive only
+            while the file is written (host staging budget): pickled exactly like a CPU tensor of that
+            layout; the writer gets their bytes from a ``records`` source.
     """
     storages: dict[int, tuple[str, torch.Tensor]] = {}
+    devices = ("cpu", "meta") if allow_placeholders else ("cpu",)
 
     def storage_key(untyped: torch.UntypedStorage) -> str:
-        if untyped.device.type != "cpu":
+        if untyped.device.type not in devices:
             raise ValueError(f"serialize: storage on {untyped.device} reached the writer; stage it to CPU first")
         entry = storages.get(untyped._cdata)
         if entry is None:
-            entry = (str(len(storages)), torch.empty(0, dtype=torch.uint8).set_(untyped))
+            entry = (str(len(storages)), torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped))
             storages[untyped._cdata] = entry
         return entry[0]
 
@@ -86,7 +92,7 @@ def plan_pt(obj: Any) -> PtPlan:
             # Fast path for plain dense CPU tensors: the same reduction Tensor.__reduce_ex__ produces,
             # without its Python-heavy generic path (it held the GIL ~0.1 ms per tensor, which the
             # training thread felt while a large optimizer state was being pickled in the background).
-            if type(o) is not torch.Tensor or o.device.type != "cpu" or o.layout != torch.strided or o.is_conj() or o.is_neg():
+            if type(o) is not torch.Tensor or o.device.type not in devices or o.layout != torch.strided or o.is_conj() or o.is_neg():
                 return NotImplemented
             untyped = o.untyped_storage()
             key = storage_key(untyped)
@@ -113,7 +119,7 @@ def plan_pt(obj: Any) -> PtPlan:
     return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()))
 
 
-def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = None) -> None:
+def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = None, records: Any = None) -> None:
     """Write the zip container of ``plan`` into ``sink`` (stored members, data descriptors).
 
     ``sink`` must not be seekable (or not claim to be), so the zip writer streams with data
@@ -121,6 +127,8 @@ def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = N
     Args:
         dtypes: optional element dtype per record key, set on ``sink.dtype_hint`` while that record's
             bytes pass (a codec uses it to pick a float-aware transform).
+        records: host budget: ``records.views(key)`` yields the bytes of placeholder (meta) records
+            piece by piece (``chunkstream.FileRecords``).
     """
     stream = WriteOnlyStream(sink)
     with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
@@ -137,7 +145,13 @@ def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = N
                     if hasattr(sink, "dtype_hint"):
                         sink.dtype_hint = (dtypes or {}).get(key)  # type: ignore[attr-defined]
                     try:
-                        member.write(storage_view(holder))
+                        if holder.device.type == "meta":
+                            if records is None:
+                                raise ValueError(f"serialize: record {key} is a placeholder and no records source was given")
+                            for view in records.views(key):
+                                member.write(view)
+                        else:
+                            member.write(storage_view(holder))
                     finally:
                         if hasattr(sink, "dtype_hint"):
                             sink.dtype_hint = None  # type: ignore[attr-defined]

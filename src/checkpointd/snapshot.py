@@ -22,16 +22,26 @@ Why this shape:
   queues them itself; ordering after the save-point event keeps them exact either way.
 - **CPU-only torch.** Pinned memory, streams and events do not exist there: the arena is plain memory
   and the copy is synchronous inside ``maybe_save``, so any mutation afterwards is safe.
+- **Host budget (opt-in).** With ``host_budget_bytes`` the CUDA tensors are not staged into an arena
+  at all: the snapshot hands out placeholders (meta tensors of the same layout, so the files can be
+  planned and pickled) and a :class:`~checkpointd.chunkstream.ChunkStream` that the writer runs
+  through a fixed ring of pinned chunks (one allocation, made ahead, reused). The hooks then wait on
+  the host until the bytes left the device. CPU-resident tensors are still copied in ``maybe_save``
+  (into an unpinned reused arena). On CPU-only torch the budget is ignored (logged): CPU tensors
+  may change right after ``maybe_save``, so they must be copied there.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
+from .chunkstream import ChunkStream
 
 logger = logging.getLogger("checkpointd")
 
@@ -40,6 +50,10 @@ DEVICE_PACE_BYTES = 512 << 20
 """Device staging: bytes of device-to-host copy queued per training-thread hook (two per step), so a
 step's share of the copy runs under its own compute instead of delaying a later synchronisation."""
 TensorSpec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+STREAM_CPU_TENSORS = False
+"""Testing only: with a host budget, stream CPU tensors through the chunk ring too (plain copies, hooks
+installed) so CPU-only tests exercise the budget path. Unsafe for real runs: on CPU anything may modify a
+tensor right after ``maybe_save``, not only the hooked optimizer step and forward."""
 
 
 def tensor_spec(t: torch.Tensor) -> TensorSpec:
@@ -211,7 +225,10 @@ class PendingCopies:
 class StagedTensors:
     staged: list[torch.Tensor]
     arena: StagingArena | None
-    copies: PendingCopies = field(default_factory=PendingCopies)
+    copies: Any = field(default_factory=PendingCopies)
+    """PendingCopies, or a ChunkStream under a host budget."""
+    streamed: dict[int, int] = field(default_factory=dict)
+    """Host budget: position in ``staged`` (a placeholder) -> source index in the ChunkStream."""
 
 
 class Snapshotter:
@@ -220,9 +237,15 @@ class Snapshotter:
     Called on the training thread; arena preparation runs on a background thread.
     """
 
-    def __init__(self, max_arenas: int = 1, device_budget_bytes: int | None = None) -> None:
+    def __init__(self, max_arenas: int = 1, device_budget_bytes: int | None = None,
+                 host_budget_bytes: int | None = None) -> None:
         self.cuda = torch.cuda.is_available()
         self.device_budget_bytes = device_budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        self._ring: Any = None
+        self._ring_thread: threading.Thread | None = None
+        self.hook_wait_secs = 0.0
+        """Seconds the training thread's hooks blocked on the host (host budget: the stall it costs)."""
         self._device_arena: tuple[tuple[TensorSpec, ...], list[torch.Tensor]] | None = None
         self._last_device_copies: PendingCopies | None = None
         self._warned_budget = False
@@ -234,6 +257,11 @@ class Snapshotter:
         self._inflight: list[PendingCopies] = []
         self.pinned_bytes = 0
         self.arena_allocations = 0
+        if host_budget_bytes is not None and self.cuda:
+            self._prepare_ring_async()  # layout-independent: allocate and pin it now, in the background
+        if host_budget_bytes is not None and not self.cuda and not STREAM_CPU_TENSORS:
+            logger.info("checkpointd: host_staging_budget_bytes is ignored without CUDA: CPU tensors are "
+                        "copied inside maybe_save, so the whole state is staged there")
 
     # -- arenas ----------------------------------------------------------------------------------
     def prepare_async(self, specs: Sequence[TensorSpec], cuda_device: torch.device | None = None,
@@ -245,20 +273,28 @@ class Snapshotter:
         """
         key = tuple(specs)
         device_key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if on_cuda)
+        pin = self.cuda
+        if self._ring_mode([on_cuda for on_cuda in cuda_mask]):  # host budget: the ring, plus an unpinned arena for CPU tensors
+            self._prepare_ring_async()
+            key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if not self._streamed_device(on_cuda))
+            pin = False
+            if not key and not device_key:
+                return
         with self._lock:
             if key in self._preparing or any(a.specs == key for a in self._arenas):
                 return
-            thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device),
+            thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device, pin),
                                       name="checkpointd-arena", daemon=True)
             self._preparing[key] = thread
         thread.start()
 
     def _prepare(self, key: tuple[TensorSpec, ...], device_key: tuple[TensorSpec, ...] = (),
-                 cuda_device: torch.device | None = None) -> None:
+                 cuda_device: torch.device | None = None, pin: bool | None = None) -> None:
         try:
-            arena = StagingArena(key, pin=self.cuda)
-            with self._lock:
-                self._add_arena(arena)
+            if key:
+                arena = StagingArena(key, pin=self.cuda if pin is None else pin)
+                with self._lock:
+                    self._add_arena(arena)
             if device_key and cuda_device is not None and self.device_budget_bytes is not None:
                 with torch.cuda.device(cuda_device):
                     self._ensure_device_arena(device_key, cuda_device)
@@ -301,7 +337,7 @@ class Snapshotter:
                 self.pinned_bytes -= victim.nbytes
             victim.release()
 
-    def _acquire(self, specs: tuple[TensorSpec, ...]) -> StagingArena:
+    def _acquire(self, specs: tuple[TensorSpec, ...], pin: bool | None = None) -> StagingArena:
         with self._lock:
             thread = self._preparing.get(specs)
         if thread is not None:
@@ -311,7 +347,7 @@ class Snapshotter:
                 if arena.specs == specs and not arena.busy:
                     arena.busy = True
                     return arena
-        arena = StagingArena(specs, pin=self.cuda)  # layout changed or all busy: allocate now
+        arena = StagingArena(specs, pin=self.cuda if pin is None else pin)  # layout changed or all busy: allocate now
         arena.busy = True
         with self._lock:
             self._add_arena(arena)
@@ -319,6 +355,8 @@ class Snapshotter:
 
     def release(self, staged: StagedTensors) -> None:
         """Return a snapshot's arena to the pool (called once its files are written)."""
+        if isinstance(staged.copies, ChunkStream):
+            staged.copies.close()  # frees the ring for the next save; unblocks hooks if the save failed
         if staged.arena is not None:
             with self._lock:
                 staged.arena.busy = False
@@ -326,6 +364,8 @@ class Snapshotter:
     def close(self) -> None:
         with self._lock:
             threads = list(self._preparing.values())
+        if self._ring_thread is not None:
+            threads.append(self._ring_thread)
         for t in threads:
             t.join()
         with self._lock:
@@ -333,7 +373,62 @@ class Snapshotter:
                 a.release()
             self._arenas.clear()
             self._device_arena = None
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
             self.pinned_bytes = 0
+
+    # -- host budget: the chunk ring ------------------------------------------------------------
+    @property
+    def needs_hooks(self) -> bool:
+        """Whether training must be held by the optimizer/forward hooks (CUDA, or the CPU test mode)."""
+        return self.cuda or (self.host_budget_bytes is not None and STREAM_CPU_TENSORS)
+
+    def _streamed_device(self, on_cuda: bool) -> bool:
+        return on_cuda or STREAM_CPU_TENSORS
+
+    def _ring_mode(self, on_cuda: Sequence[bool]) -> bool:
+        """Whether a save of tensors with this device mask goes through the chunk ring."""
+        if self.host_budget_bytes is None:
+            return False
+        return any(on_cuda) if self.cuda else STREAM_CPU_TENSORS and len(on_cuda) > 0
+
+    def _prepare_ring_async(self) -> None:
+        with self._lock:
+            if self._ring is not None or self._ring_thread is not None:
+                return
+            self._ring_thread = threading.Thread(target=self._make_ring, name="checkpointd-ring", daemon=True)
+        self._ring_thread.start()
+
+    def _make_ring(self) -> None:
+        from .chunkstream import ChunkRing, ring_geometry
+
+        assert self.host_budget_bytes is not None
+        chunk, n = ring_geometry(self.host_budget_bytes)
+        if chunk * n > self.host_budget_bytes:
+            logger.warning("checkpointd: host_staging_budget_bytes=%d is below the floor of %d chunks of %d bytes; "
+                           "staging through %d bytes", self.host_budget_bytes, n, chunk, chunk * n)
+        try:
+            ring = ChunkRing(chunk, n, pin=self.cuda)
+        except Exception as exc:  # pragma: no cover - the save path retries synchronously
+            logger.warning("checkpointd: allocating the host staging ring failed: %s", exc)
+            return
+        with self._lock:
+            if self._ring is None:
+                self._ring = ring
+                self.arena_allocations += 1
+                if ring.pinned:
+                    self.pinned_bytes += ring.nbytes
+
+    def _ensure_ring(self) -> Any:
+        thread = self._ring_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        if self._ring is None:
+            self._make_ring()
+        if self._ring is None:
+            raise RuntimeError("checkpointd: could not allocate the host staging ring")
+        return self._ring
 
     # -- copying ---------------------------------------------------------------------------------
     def snapshot(self, tensors: Sequence[torch.Tensor], n_buffer_tensors: int = 0) -> StagedTensors:
@@ -342,6 +437,8 @@ class Snapshotter:
         Returns at once on CUDA (copies queued on a side stream); synchronous otherwise.
         """
         specs = tuple(tensor_spec(t) for t in tensors)
+        if self._ring_mode([t.device.type == "cuda" for t in tensors]):
+            return self._snapshot_streamed(tensors, specs, n_buffer_tensors)
         arena = self._acquire(specs)
         staged = list(arena.buffers)
         device_idx = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
@@ -364,6 +461,49 @@ class Snapshotter:
             self._inflight.append(copies)
         return StagedTensors(staged=staged, arena=arena, copies=copies)
 
+    def _snapshot_streamed(self, tensors: Sequence[torch.Tensor], specs: tuple[TensorSpec, ...],
+                           n_buffer_tensors: int) -> StagedTensors:
+        """Host budget: placeholders for the streamed tensors, a ChunkStream that the writer runs.
+
+        Only CPU tensors (which may change right after ``maybe_save``) are copied now, into a reused
+        unpinned arena. Device staging, when on and the state fits, still clones first: the stream
+        then reads that private copy and training never waits.
+        """
+        from .chunkstream import ChunkStream, CpuCopier, CudaCopier
+
+        streamed = [i for i, t in enumerate(tensors) if self._streamed_device(t.device.type == "cuda")]
+        streamed_set = set(streamed)
+        local = [i for i in range(len(tensors)) if i not in streamed_set]
+        ring = self._ensure_ring()
+        arena = self._acquire(tuple(specs[i] for i in local), pin=False) if local else None
+        staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        with torch.no_grad():
+            for j, i in enumerate(local):
+                assert arena is not None
+                arena.buffers[j].copy_(tensors[i].detach())
+                staged[i] = arena.buffers[j]
+        for i in streamed:
+            shape, stride, dtype = specs[i]
+            staged[i] = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        sources = [tensors[i].detach() for i in streamed]
+        n_early = sum(1 for i in streamed if i < n_buffer_tensors)
+        private = None
+        if self.cuda and sources and sources[0].device.type == "cuda":
+            device = sources[0].device
+            private = self._stage_on_device(sources, [specs[i] for i in streamed], device)
+            save_point = torch.cuda.Event()
+            save_point.record(torch.cuda.current_stream(device))
+            copier: CpuCopier = CudaCopier(self._side_stream(device), save_point, device)
+        else:
+            copier = CpuCopier()
+        stream = ChunkStream(ring, copier, private if private is not None else sources,
+                             0 if private is not None else n_early, private_source=private is not None)
+        if private is not None:
+            self._last_device_copies = stream  # type: ignore[assignment]
+        self._inflight.append(stream)  # type: ignore[arg-type]
+        return StagedTensors(staged=staged, arena=arena, copies=stream,
+                             streamed={pos: k for k, pos in enumerate(streamed)})
+
     def _stage_on_device(self, sources: list[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> list[torch.Tensor] | None:
         """Device staging (opt-in): clone the tensors into a reused GPU buffer on the compute stream.
 
@@ -377,8 +517,15 @@ class Snapshotter:
         if buffers is None:
             return None
         current = torch.cuda.current_stream(device)
-        if self._last_device_copies is not None and self._last_device_copies.all_done is not None:
-            current.wait_event(self._last_device_copies.all_done)  # the previous D2H still reads these buffers
+        prev = self._last_device_copies
+        if isinstance(prev, ChunkStream):  # host budget: wait until it was all issued, then on the device
+            if not prev.all_issued.is_set():
+                t0 = time.perf_counter()
+                prev.all_issued.wait()
+                self.hook_wait_secs += time.perf_counter() - t0
+            prev.copier.order_compute_after(prev._last_handle)
+        elif prev is not None and prev.all_done is not None:
+            current.wait_event(prev.all_done)  # the previous D2H still reads these buffers
         with torch.no_grad():
             torch._foreach_copy_(buffers, sources)
         return buffers
@@ -401,9 +548,26 @@ class Snapshotter:
     def _wait(self, all_copies: bool) -> None:
         if not self._inflight:
             return
-        current = torch.cuda.current_stream()
-        still: list[PendingCopies] = []
+        current: Any = None
+        still: list[Any] = []
         for c in self._inflight:
+            if isinstance(c, ChunkStream):  # host budget: the copies leave only as chunks free up
+                if c.private_source:
+                    if not c.all_issued.is_set():
+                        still.append(c)
+                    continue
+                if not all_copies and c.waited_buffers:
+                    still.append(c)
+                    continue
+                t0 = time.perf_counter()
+                c.wait_copied(all_copies)
+                self.hook_wait_secs += time.perf_counter() - t0
+                c.waited_buffers = True
+                if not all_copies:
+                    still.append(c)
+                continue
+            if current is None:
+                current = torch.cuda.current_stream()
             if c.private_source:  # training never waits for these; just keep them flowing
                 c.enqueue(max_bytes=DEVICE_PACE_BYTES)
                 if not c.enqueued.is_set():

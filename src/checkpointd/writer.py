@@ -38,6 +38,8 @@ class FileJob:
     dtypes: dict[str, Any]
     json_members: dict[str, bytes] | None = None
     rank: int = 0
+    records: Any = None
+    """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
 
 
 @dataclass
@@ -53,6 +55,8 @@ class SaveJob:
     commit_hook: Callable[[SaveJob], None] | None = None
     """Replaces the local commit (distributed runs coordinate it)."""
     after_commit: Callable[[SaveJob], None] | None = None
+    stream: Any = None
+    """Host budget: the ``chunkstream.ChunkStream`` that ``write_files`` runs while the files are written."""
     future: Future = field(default_factory=Future)
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
@@ -130,18 +134,27 @@ class BackgroundWriter:
 
         Waits for *every* file before freeing the staging buffers (``after_files``), also after a
         failure: a file still being written reads those buffers. Fills ``job.manifest.files``, the
-        byte counts and ``write_secs``.
+        byte counts and ``write_secs``. Under a host budget this thread produces the chunk stream
+        (device-to-host copies into free chunks) while the file threads consume it.
         """
         t1 = time.perf_counter()
         entries: list[FileEntry] = []
         error: BaseException | None = None
+        stream = job.stream
         try:
-            futures = [self._pool.submit(self._write_file_with_retry, job.step_dir, f) for f in job.files]
+            futures = [self._pool.submit(self._write_file_task, job.step_dir, f, stream) for f in job.files]
+            if stream is not None:
+                try:
+                    stream.produce()
+                except BaseException as exc:  # noqa: BLE001 - the stream is aborted; wait for the files
+                    error = exc
             for future in futures:
                 try:
                     entries.append(future.result())
                 except BaseException as exc:  # noqa: BLE001 - keep the first, wait for the rest
                     error = error or exc
+            if stream is not None and stream.error is not None:
+                error = stream.error  # the root cause, not a file that was aborted because of it
         finally:
             job.after_files()
         job.timings["write_secs"] = time.perf_counter() - t1
@@ -157,6 +170,17 @@ class BackgroundWriter:
 
     def _write_file_with_retry(self, step_dir: str, fjob: FileJob) -> FileEntry:
         return self._call(write_one_file, self.store, self.codec, step_dir, fjob)
+
+    def _write_file_task(self, step_dir: str, fjob: FileJob, stream: Any) -> FileEntry:
+        """One file on a pool thread. Streamed files (host budget) get one attempt: their bytes are gone
+        once written, so a failure aborts the stream (and the save) instead of retrying."""
+        if fjob.records is None:
+            return self._write_file_with_retry(step_dir, fjob)
+        try:
+            return write_one_file(self.store, self.codec, step_dir, fjob)
+        except BaseException as exc:
+            stream.abort(exc)
+            raise
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.0005
@@ -226,12 +250,14 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob) -> Fi
         checked = ChecksumWriter(raw)
         encoder = codec.encoder(checked)
         counting = _CountingSink(encoder)
+        if fjob.records is not None:  # chunks are reused once passed on: a codec must be done reading them
+            fjob.records.barrier = getattr(encoder, "drain", None)
         if fjob.format == "mdlus":
             from .mdlus import write_mdlus
 
-            write_mdlus(counting, fjob.json_members or {}, fjob.plan, fjob.dtypes)
+            write_mdlus(counting, fjob.json_members or {}, fjob.plan, fjob.dtypes, records=fjob.records)
         else:
-            write_pt(fjob.plan, counting, fjob.dtypes)
+            write_pt(fjob.plan, counting, fjob.dtypes, records=fjob.records)
         encoder.close()
         raw.close()
     except BaseException:
@@ -269,7 +295,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEn
         image = ptlayout.pt_image(fjob.plan)
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
-    result = ptlayout.write_file(store.path(rel), image)
+    result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None)
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 

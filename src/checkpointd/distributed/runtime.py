@@ -40,6 +40,7 @@ from .coordination import Coordinator, DistributedWriter
 from .sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
 from .state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
                           owner_module, plan_module, plan_optimizer)
+from .statecache import LocalStates
 
 logger = logging.getLogger("checkpointd")
 
@@ -62,6 +63,8 @@ class DistributedRuntime:
         self.entries = entries
         modules = [e.obj for e in entries if e.kind == "module"]
         self.owner = {e.name: owner_module(e.obj, modules) for e in entries if e.kind == "optimizer"}
+        self.local_states = LocalStates(entries, self.owner)  # sharded saves: state dicts without the full walk
+        self._split_cache: dict[str, dict[Any, Any]] = {e.name: {} for e in entries}  # DTensor records by path
 
     @property
     def is_rank0(self) -> bool:
@@ -82,6 +85,11 @@ class DistributedRuntime:
         return self.coord.agree(value)
 
     def _state_of(self, e: Entry, full: bool) -> Any:
+        if not full and e.kind in ("module", "optimizer"):
+            return self.local_states.state(e.name, lambda: self._full_call(e, full))
+        return self._full_call(e, full)
+
+    def _full_call(self, e: Entry, full: bool) -> Any:
         if e.kind == "module":
             return module_state(e.obj, full)
         if e.kind == "optimizer":
@@ -108,10 +116,12 @@ class DistributedRuntime:
         skeletons: dict[str, Any] = {}
         blocks: dict[str, Any] = {}
         records: dict[str, Any] = {}
+        self.local_states.begin()
         for e in self.entries:
             tree = self._state_of(e, False)
             validate_tree(tree, f"state[{e.name!r}]", module_keys=e.kind == "module")
-            skeletons[e.name], blocks[e.name], records[e.name] = split_tree(tree, self.rank)
+            split_cache = self._split_cache[e.name] if self.local_states.enabled else None
+            skeletons[e.name], blocks[e.name], records[e.name] = split_tree(tree, self.rank, split_cache)
         content: dict[str, Any] = {"blocks": blocks, RNG_KEY: rng, EPOCH_KEY: step}
         if self.is_rank0:
             content["entries"] = skeletons
@@ -125,6 +135,29 @@ class DistributedRuntime:
                              "rank_files": {str(r): shard_file_name(r, codec_suffix) for r in range(self.world_size)}},
                  "_rank_local": records}
         return files, locations, extra
+
+    def staging_files(self, rng: dict[str, Any], codec_suffix: str) -> list[FileContent] | None:
+        """This rank's files as a save now would build them, for preparing staging buffers ahead; None when
+        that would need a collective or change state.
+
+        Sharded mode builds them locally (no communication), which also warms the state caches. Not
+        possible: full mode and FSDP1 modules (gathered: collective), and an optimizer with a registered
+        module but no state yet (``get_optimizer_state_dict`` would initialise it with a zero-lr step).
+        """
+        if self.mode != "sharded":
+            return None
+        for e in self.entries:
+            model = e.obj if e.kind == "module" else self.owner.get(e.name) if e.kind == "optimizer" else None
+            if model is not None and is_fsdp1(model):
+                return None
+            if e.kind == "optimizer" and model is not None and not e.obj.state:
+                return None
+        try:
+            files, _, _ = self.build_files(0, {}, rng, codec_suffix, None)
+        except Exception as exc:  # noqa: BLE001 - the save itself reports bad state
+            logger.debug("checkpointd: no staging buffers prepared ahead (%s: %s)", type(exc).__name__, exc)
+            return None
+        return files
 
     # -- committing (committer thread, rank 0) ---------------------------------------------------
     def merge_manifest(self, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
