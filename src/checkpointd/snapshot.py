@@ -9,8 +9,9 @@ Why this shape:
 - **Pinned, exact size.** On CUDA the arena is page-locked with ``cudaHostRegister`` rather than
   ``pin_memory=True``: PyTorch's caching host allocator rounds every block up to a power of two, which
   would nearly double host memory for a 5 GB state. Registration costs ~0.5 s/GiB, so arenas are
-  prepared ahead on a background thread (after construction and after the first optimizer step,
-  when optimizer state first exists), off the training thread's critical path.
+  prepared ahead on a background thread (the manager starts it at the end of the first restore, the
+  first ``maybe_save`` call or the first optimizer step, and again when optimizer state first exists),
+  off the training thread's critical path.
 - **Side stream, no host wait, overlapped with the next step.** ``maybe_save`` records an event on the
   compute stream (the save point) and returns. The device-to-host copies are queued on a side stream,
   ordered after that event, at the first moment something could modify a snapshotted tensor: the
