@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -195,6 +195,15 @@ _switch_users = 0
 _switch_saved = 0.005
 
 
+def _switch_interval() -> float:
+    """``GIL_SWITCH_INTERVAL_SECS``, or ``CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS`` (for benchmarks)."""
+    try:
+        value = float(os.environ.get("CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS", GIL_SWITCH_INTERVAL_SECS))
+    except ValueError:
+        return GIL_SWITCH_INTERVAL_SECS
+    return value if value > 0 else GIL_SWITCH_INTERVAL_SECS
+
+
 @contextlib.contextmanager
 def _short_gil_switch_interval() -> Iterator[None]:
     """Lower the interpreter's switch interval while any writer is busy; restore it after the last."""
@@ -202,7 +211,7 @@ def _short_gil_switch_interval() -> Iterator[None]:
     with _switch_lock:
         if _switch_users == 0:
             _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch_saved, GIL_SWITCH_INTERVAL_SECS))
+            sys.setswitchinterval(min(_switch_saved, _switch_interval()))
         _switch_users += 1
     try:
         yield
