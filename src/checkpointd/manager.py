@@ -13,22 +13,20 @@ A save, in order (``maybe_save`` on the training thread, then the background wri
 6. ``retention``             ``policy.RetentionPolicy`` decides; committed steps it drops and uncommitted
                              leftovers are deleted (marker first)
 
-Restore goes ``commit.read_committed_manifest`` -> ``restore.read_step`` (verify, decode) ->
-``restore.check_compatible`` -> ``restore.apply_entry``. Distributed runs (``distributed/``) and two tiers
+Restore goes ``restore.restore_in_place``: ``commit.read_committed_manifest`` -> ``restore.read_step``
+(``fastload``: parallel verified reads) -> ``restore.check_compatible`` -> ``restore_apply.apply_entries``
+(in-place bulk copies, ``bulkcopy``). Construction helpers live in ``manager_setup.py``. Distributed runs (``distributed/``) and two tiers
 (``tiers.py``) plug into the same path; ``preemption.py`` turns signals into a forced save.
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
-import operator
 import os
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -46,13 +44,23 @@ from .errors import (
 )
 from .policy import RetentionPolicy, SaveSchedule
 from .retention import MetricsCache, apply_retention
-from .retry import RetryPolicy
 from .rng import capture_rng, restore_rng
 from .savejob import stage_save, staging_layout
 from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
 from .inflight import InFlight
+from .manager_setup import (
+    as_step,
+    as_steps,
+    check_host_budget,
+    distributed_runtime,
+    failure_hint,
+    mdlus_members,
+    open_store,
+    physicsnemo_detector,
+    register_flush_at_exit,
+)
 from .writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
@@ -128,9 +136,9 @@ class CheckpointManager:
             raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if not (isinstance(retry_timeout_secs, (int, float)) and retry_timeout_secs >= 0):
             raise ConfigError(f"retry_timeout_secs must be a number >= 0, got {retry_timeout_secs!r}")
-        _check_host_budget(host_staging_budget_bytes, mode)
+        check_host_budget(host_staging_budget_bytes, mode)
         self._schedule = SaveSchedule(every_n_steps=every_n_steps, every_n_seconds=every_n_seconds,
-                                      at_steps=frozenset(_as_steps(at_steps)))
+                                      at_steps=frozenset(as_steps(at_steps)))
         self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                           keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
         from .compress import get_codec
@@ -139,14 +147,14 @@ class CheckpointManager:
         self._mode = mode
         self._overwrite = bool(overwrite)
         self._max_pending = max_pending
-        self._store = _open_store(root, storage_options, retry_timeout_secs)
+        self._store = open_store(root, storage_options, retry_timeout_secs)
         self._exit_timeout_secs = retry_timeout_secs + 60.0
         self._remote: Store | None = None
         if local_dir is not None:  # two tiers: saves commit on local disk, the uploader copies them to root
             self._remote = self._store
-            self._store = _open_store(local_dir, None, retry_timeout_secs)
-        self._entries = build_entries(state, _physicsnemo_detector())
-        self._dist = _distributed_runtime(self._entries, mode, dist_timeout_secs)
+            self._store = open_store(local_dir, None, retry_timeout_secs)
+        self._entries = build_entries(state, physicsnemo_detector())
+        self._dist = distributed_runtime(self._entries, mode, dist_timeout_secs)
         self._closed = False
         self._lock = threading.RLock()
         self._inflight = InFlight()
@@ -178,7 +186,7 @@ class CheckpointManager:
         if signals:
             self._preemption = PreemptionWatcher(signals)
         self._install_hooks()
-        self._atexit = _register_flush_at_exit(self) if self._dist is None else None
+        self._atexit = register_flush_at_exit(self) if self._dist is None else None
         # Staging buffers are prepared at the first restore's end, maybe_save call or optimizer step,
         # not here: pinning gigabytes in the background makes a restore that runs meanwhile read files
         # several times slower (page faults and cudaHostRegister contend), and a restore comes first.
@@ -201,7 +209,7 @@ class CheckpointManager:
         self._check_open()
         self._prepare_pending_buffers()
         self._raise_failures()
-        step = _as_step(step)
+        step = as_step(step)
         preempted = self._preemption is not None and self._preemption.save_pending
         due = force or preempted or self._schedule.is_due(step)
         if self._dist is not None and not force:  # rank 0 decides time-based saves for every rank
@@ -224,11 +232,11 @@ class CheckpointManager:
         clean = clean_metrics(metrics)
         if self._dist is None:
             files = build_files(self._entries, step, clean, capture_rng(), self._codec.suffix,
-                                mdlus_members=_mdlus_members())
+                                mdlus_members=mdlus_members())
             locations, extra = None, {"rng_file": files[-1].rel_path}
         else:  # full mode gathers here, collectively, on every rank
             files, locations, extra = self._dist.build_files(step, clean, capture_rng(), self._codec.suffix,
-                                                             _mdlus_members())
+                                                             mdlus_members())
         self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
         # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
         while len(self._inflight) >= self._max_pending:
@@ -337,7 +345,7 @@ class CheckpointManager:
                 f"upload of step {step} to {self._remote.display(layout.step_dir_name(step))} failed: "  # type: ignore[union-attr]
                 f"{type(exc).__name__}: {exc}. The step is committed locally at "
                 f"{self._store.display(layout.step_dir_name(step))}, not remotely; earlier uploads are intact."
-                f"{_failure_hint(exc)}",
+                f"{failure_hint(exc)}",
                 step=step,
             ) from exc
         failure = self._inflight.pop_failure()
@@ -347,7 +355,7 @@ class CheckpointManager:
         raise CheckpointWriteError(
             f"background save of step {job.step} to {self._store.display(job.step_dir)} failed: "
             f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact."
-            f"{_failure_hint(exc)}",
+            f"{failure_hint(exc)}",
             step=job.step,
         ) from exc
 
@@ -534,113 +542,6 @@ class CheckpointManager:
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
-
-
-def _register_flush_at_exit(mgr: "CheckpointManager") -> Any:
-    """At interpreter exit, finish the saves a manager that was never closed still has in flight.
-
-    Without it, the writer threads (daemons) die with the interpreter and a started save is silently
-    not committed. Single-process only: in a distributed run the other ranks may already be gone.
-    """
-    ref = weakref.ref(mgr)
-
-    def flush() -> None:
-        m = ref()
-        if m is None or m._closed or not len(m._inflight):
-            return
-        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(m._inflight))
-        try:
-            m.close(timeout=m._exit_timeout_secs)
-        except CheckpointError as exc:
-            logger.error("checkpointd: a save could not be finished at exit: %s", exc)
-
-    # threading's exit hooks run (newest first) before concurrent.futures stops accepting work, and
-    # before plain atexit handlers; fall back to atexit where that private hook does not exist.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(flush)
-        return None
-    atexit.register(flush)
-    return flush
-
-
-def _check_host_budget(budget: Any, mode: str) -> None:
-    """``host_staging_budget_bytes``: a positive int or None; not with full-mode distributed saves."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ConfigError(f"host_staging_budget_bytes must be a positive int (bytes) or None, got {budget!r}")
-    from . import distributed
-
-    if mode == "full" and distributed.is_active():
-        raise ConfigError("host_staging_budget_bytes is not supported with mode='full' under torch.distributed "
-                          "(rank 0 stages the gathered full state); use mode='sharded', whose per-rank files stream "
-                          "through the budget, or drop the budget")
-
-
-def _as_step(step: Any) -> int:
-    """``step`` as a plain int (NumPy and other integer types accepted); ConfigError otherwise."""
-    try:
-        value = operator.index(step) if not isinstance(step, bool) else -1
-    except TypeError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"step must be a non-negative integer, got {step!r} ({type(step).__name__})")
-    return value
-
-
-def _as_steps(at_steps: Iterable[int]) -> list[int]:
-    try:
-        return [int(s) if not isinstance(s, bool) else -1 for s in at_steps]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"at_steps must be an iterable of ints, got {at_steps!r}") from exc
-
-
-def _failure_hint(exc: BaseException) -> str:
-    """What to do about a background failure, for the causes that have an obvious remedy."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return " The storage is full: free space (or lower keep_last) and the next save will succeed."
-    if isinstance(exc, PermissionError):
-        return " Check that this process may write to the checkpoint root."
-    return ""
-
-
-def _open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_secs: float) -> Store:
-    if not isinstance(root, (str, os.PathLike)):
-        raise ConfigError(f"root must be a path or URL string, got {type(root).__name__}")
-    store = Store(root, storage_options, retry=RetryPolicy(max_elapsed_secs=retry_timeout_secs))
-    if store.is_file(""):
-        raise ConfigError(f"checkpoint root {store.display()} is a file; pass a directory (or a URL prefix)")
-    return store
-
-
-def _distributed_runtime(entries: Any, mode: str, timeout_secs: float) -> Any:
-    """A DistributedRuntime when torch.distributed is initialized (collective: every rank builds its manager)."""
-    from . import distributed
-
-    if not distributed.is_active():
-        return None
-    from .distributed.runtime import DistributedRuntime
-
-    return DistributedRuntime(entries, mode, timeout_secs)
-
-
-def _physicsnemo_detector() -> Any:
-    try:
-        from .mdlus import is_physicsnemo_module
-
-        return is_physicsnemo_module
-    except ImportError:
-        return None
-
-
-def _mdlus_members() -> Any:
-    try:
-        from .mdlus import mdlus_json_members
-
-        return mdlus_json_members
-    except ImportError:
-        return None
 
 
 __all__ = ["CheckpointManager"]
