@@ -27,6 +27,7 @@ from checkpointd import chunkstream, snapshot
 from checkpointd.chunkstream import ChunkRing, ChunkStream, CpuCopier, plan_chunks, ring_geometry
 from checkpointd.errors import ConfigError
 from checkpointd.testing.faults import Fault, FaultPlan
+from fake_physicsnemo import FakePNModule
 
 MiB = 1 << 20
 
@@ -34,17 +35,6 @@ MiB = 1 << 20
 @pytest.fixture
 def stream_cpu(monkeypatch):
     monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)
-
-
-class FakePNModule(torch.nn.Module):
-    """Duck-typed like physicsnemo.core.Module, so its file is a .mdlus."""
-
-    __model_checkpoint_version__ = "0.1.0"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "FakePNModule":
-        out = super().__new__(cls)
-        out._args = {"__name__": cls.__name__, "__module__": cls.__module__, "__args__": dict(kwargs)}
-        return out
 
 
 class PNNet(FakePNModule):

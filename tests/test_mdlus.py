@@ -24,17 +24,7 @@ from checkpointd.mdlus import (
     write_mdlus,
 )
 from checkpointd.serialize import plan_pt
-
-
-class FakePNModule(torch.nn.Module):
-    """Records its __init__ arguments like physicsnemo.core.Module.__new__ does."""
-
-    __model_checkpoint_version__ = "0.1.0"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "FakePNModule":
-        out = super().__new__(cls)
-        out._args = {"__name__": cls.__name__, "__module__": cls.__module__, "__args__": dict(kwargs)}
-        return out
+from fake_physicsnemo import FakePNModule
 
 
 class Encoder(FakePNModule):

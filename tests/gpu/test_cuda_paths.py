@@ -10,27 +10,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 from checkpointd import CheckpointManager, load
+from cuda_models import big_model as _big_model, run_scaled, scaled_cnn, train_step as _train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _big_model(width: int = 4096, depth: int = 8) -> nn.Module:
-    """~0.5 GB of fp32 parameters: large enough that the D2H copy is still in flight after maybe_save."""
-    layers: list[nn.Module] = [nn.BatchNorm1d(width)]
-    for _ in range(depth):
-        layers.append(nn.Linear(width, width))
-    return nn.Sequential(*layers).cuda()
-
-
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    x = torch.randn(64, model[0].num_features, device="cuda")
-    loss = model(x).square().mean()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
 
 
 def test_pinned_buffers_reused_without_new_allocations(tmp_path):
@@ -100,22 +84,10 @@ def test_forward_waits_only_for_buffers(tmp_path):
 
 def test_grad_scaler_on_cuda_and_bit_exact_resume(tmp_path):
     def make():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 3)).cuda()
-        m = m.to(memory_format=torch.channels_last)
-        o = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        sc = torch.amp.GradScaler("cuda", init_scale=2.0**10)
-        return m, o, sc
+        return scaled_cnn(8, 8, 0)
 
     def run(m, o, sc, steps, gen):
-        for _ in range(steps):
-            x = torch.randn(8, 4, 8, 8, device="cuda", generator=gen).to(memory_format=torch.channels_last)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(x).float().square().mean()
-            o.zero_grad(set_to_none=True)
-            sc.scale(loss).backward()
-            sc.step(o)
-            sc.update()
+        run_scaled(m, o, sc, steps, gen, 8)
 
     m1, o1, s1 = make()
     g = torch.Generator(device="cuda").manual_seed(1)

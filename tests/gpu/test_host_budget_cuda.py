@@ -16,24 +16,9 @@ import torch
 import torch.nn as nn
 
 from checkpointd import CheckpointManager, load
+from cuda_models import big_model as _big_model, run_scaled, scaled_cnn, train_step as _train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _big_model(width: int = 4096, depth: int = 8) -> nn.Module:
-    """~0.5 GB of fp32 parameters (+1 GB of AdamW state): the copies outlast maybe_save."""
-    layers: list[nn.Module] = [nn.BatchNorm1d(width)]
-    for _ in range(depth):
-        layers.append(nn.Linear(width, width))
-    return nn.Sequential(*layers).cuda()
-
-
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    x = torch.randn(64, model[0].num_features, device="cuda")
-    loss = model(x).square().mean()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
 
 
 def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -76,22 +61,10 @@ def test_pinned_within_budget_no_new_allocation_and_exact_values(tmp_path, compr
 
 def test_bit_exact_resume_with_grad_scaler_and_channels_last(tmp_path):
     def make(seed: int):
-        torch.manual_seed(seed)
-        m = nn.Sequential(nn.Conv2d(4, 64, 3), nn.BatchNorm2d(64), nn.Flatten(), nn.Linear(64 * 30 * 30, 256)).cuda()
-        m = m.to(memory_format=torch.channels_last)
-        o = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        sc = torch.amp.GradScaler("cuda", init_scale=2.0**10)
-        return m, o, sc
+        return scaled_cnn(64, 32, seed)
 
     def run(m, o, sc, steps, gen):
-        for _ in range(steps):
-            x = torch.randn(8, 4, 32, 32, device="cuda", generator=gen).to(memory_format=torch.channels_last)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(x).float().square().mean()
-            o.zero_grad(set_to_none=True)
-            sc.scale(loss).backward()
-            sc.step(o)
-            sc.update()
+        run_scaled(m, o, sc, steps, gen, 32)
 
     m1, o1, s1 = make(0)
     gen = torch.Generator(device="cuda").manual_seed(1)
