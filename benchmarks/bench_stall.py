@@ -39,8 +39,8 @@ WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
                "checkpointd_device", "checkpointd_host25"]
-DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "dcp_async_pinned",
-                   "dcp_async", "torch_save", "none"]
+DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
+                   "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
 
 # ----------------------------------------------------------------------------------------------------
