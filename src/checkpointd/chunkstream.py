@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .streams import byte_view as memoryview_of
+
 logger = logging.getLogger("checkpointd")
 
 MIN_CHUNK_BYTES = 1 << 20
@@ -398,7 +400,7 @@ class ChunkStream:
     def chunk_view(self, part: Part) -> memoryview:
         assert part.chunk is not None and part.chunk.slot is not None
         buf = self.ring.buffers[part.chunk.slot]
-        return memoryview(buf.numpy()).cast("B")[part.chunk_offset:part.chunk_offset + part.length]
+        return memoryview_of(buf)[part.chunk_offset:part.chunk_offset + part.length]
 
     # -- training thread ---------------------------------------------------------------------------
     def wait_copied(self, all_copies: bool) -> None:

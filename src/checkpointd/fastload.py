@@ -34,7 +34,7 @@ import torch
 from . import ptlayout
 from .crc import crc32, crc32_combine
 from .checksum import format_crc
-from .streams import SeekableReader
+from .streams import SeekableReader, byte_view
 
 logger = logging.getLogger("checkpointd")
 
@@ -181,11 +181,11 @@ def read_file_verified(path: str, expected_size: int, where: str) -> tuple[torch
         ranges = [(a, min(size, a + READ_CHUNK_BYTES)) for a in range(0, size, READ_CHUNK_BYTES)]
         if use_mmap(path, size):
             buf = _map_file(fd, size)
-            view = memoryview(buf.numpy()).cast("B")
+            view = byte_view(buf)
             crcs = ptlayout.run_tasks([lambda a=a, b=b: _crc_task(buf, view, a, b) for a, b in ranges])
         else:
             buf = torch.empty(size, dtype=torch.uint8)
-            view = memoryview(buf.numpy()).cast("B") if size else memoryview(b"")
+            view = byte_view(buf)
             crcs = ptlayout.run_tasks([lambda a=a, b=b: _read_task(fd, view, a, b) for a, b in ranges])
     finally:
         os.close(fd)
@@ -199,13 +199,13 @@ def decode_to_buffer(codec_name: str, stored: torch.Tensor, native_size: int | N
     """Decode a verified compressed file into a fresh native buffer (chunks decode in parallel)."""
     from .compress import get_codec
 
-    view = memoryview(stored.numpy()).cast("B")
+    view = byte_view(stored)
     with get_codec(codec_name).open_decoded(BufferReader(view)) as src:
         if native_size is None:
             native_size = src.seek(0, 2)
             src.seek(0)
         out = torch.empty(native_size, dtype=torch.uint8)
-        dest = memoryview(out.numpy()).cast("B") if native_size else memoryview(bytearray())
+        dest = byte_view(out)
         got = 0
         while got < native_size:
             n = src.readinto(dest[got:])
@@ -229,7 +229,7 @@ def load_pt_in_place(buf: torch.Tensor) -> Any:
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    view = memoryview(buf.numpy()).cast("B")
+    view = byte_view(buf)
     reader = torch._C.PyTorchFileReader(BufferReader(view))
     storage = buf.untyped_storage()
     offset = buf.storage_offset()
@@ -243,7 +243,7 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 def stored_member(buf: torch.Tensor, name: str) -> torch.Tensor:
     """The bytes of a stored (uncompressed) zip member of ``buf``, as a slice of ``buf``."""
-    view = memoryview(buf.numpy()).cast("B")
+    view = byte_view(buf)
     with zipfile.ZipFile(BufferReader(view)) as zf:
         info = zf.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED:

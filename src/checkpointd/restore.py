@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from . import layout
+from .streams import byte_view
 from .checksum import ChecksumReader
 from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
@@ -134,7 +135,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
         return fastload.load_native_in_place(buf, entry.format)
     except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
         logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
-    return load_native(fastload.BufferReader(memoryview(buf.numpy()).cast("B")), entry.format, where)
+    return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
 
 
 def values_by_entry(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str, Any]:

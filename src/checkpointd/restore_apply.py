@@ -27,7 +27,7 @@ change only once every entry has been planned, so an entry that cannot be planne
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeGuard
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ def _add(pairs: dict, dst: torch.Tensor, src: torch.Tensor) -> None:
     pairs[key] = (dst, src)
 
 
-def _plain_tensor(t: Any) -> bool:
+def _plain_tensor(t: Any) -> TypeGuard[torch.Tensor]:
     return (isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
             and not t.is_meta and not t.is_quantized and not t.is_nested)
 

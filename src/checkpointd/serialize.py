@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .streams import WriteOnlyStream
+from .streams import WriteOnlyStream, byte_view
 
 ARCHIVE_DIR = "archive"
 """Top-level folder inside the zip; ``torch.load`` accepts any single name."""
@@ -164,7 +164,7 @@ def storage_view(t: torch.Tensor) -> memoryview:
     if storage.nbytes() == 0:
         return memoryview(b"")
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return memoryview(flat.numpy()).cast("B")
+    return byte_view(flat)
 
 
 def _put(zf: zipfile.ZipFile, name: str, data: bytes) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import torch
+
 
 class WriteOnlyStream(io.RawIOBase):
     """Presents a sink to ``zipfile`` as a write-only, unseekable stream.
@@ -59,3 +61,12 @@ class SeekableReader(io.RawIOBase):
             raise ValueError(f"negative seek position {base + offset}")
         self._pos = base + offset
         return self._pos
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A zero-copy ``memoryview`` (format ``B``) of a contiguous CPU tensor's bytes; empty for no bytes."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got {t.device} strides {t.stride()}")
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
