@@ -145,3 +145,44 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
         if errors:
             raise DistributedFailure("\n".join(errors))
         return results
+
+
+# -- helpers the distributed scenarios share (run inside the ranks) ------------------------------------
+
+
+def train_same_batches(model: Any, opt: Any, steps: int, *, seed: int, features: int) -> None:
+    """``steps`` optimizer steps on batches drawn from ``seed``: the same batches on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, features, generator=g).to(next(model.parameters()).device)
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def gathered_state(model: Any, opt: Any) -> dict[str, Any]:
+    """Gathered model, FQN-keyed optimizer state and param groups (collective), as CPU copies."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    sd = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}
+    osd = get_optimizer_state_dict(model, opt, options=opts)
+    state = {k: {n: (t.cpu().clone() if isinstance(t, torch.Tensor) else t) for n, t in st.items()} for k, st in osd["state"].items()}
+    groups = [dict(g) for g in osd["param_groups"]]
+    return {"model": sd, "state": state, "groups": groups}
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Bit-exact equality of two :func:`gathered_state` results (model and optimizer state)."""
+    import torch
+
+    assert sorted(got["model"]) == sorted(want["model"])
+    for k, t in want["model"].items():
+        assert torch.equal(got["model"][k], t), k
+    assert sorted(got["state"]) == sorted(want["state"])
+    for k, st in want["state"].items():
+        for n, t in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][k][n]), torch.as_tensor(t)), (k, n)

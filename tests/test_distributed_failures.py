@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.nn as nn
 
 from dist_harness import device, run_distributed

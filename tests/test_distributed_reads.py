@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dist_harness import device, run_distributed
+from dist_harness import assert_same_state, device, gathered_state, run_distributed, train_same_batches
 
 import checkpointd
 from checkpointd import CheckpointManager
@@ -43,34 +43,14 @@ def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 11) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(4, 6, generator=g).to(next(model.parameters()).device)
-        model(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Gathered model and FQN-keyed optimizer state (collective), on CPU."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True)
-    sd = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}
-    osd = get_optimizer_state_dict(model, opt, options=opts)
-    state = {k: {n: (t.cpu().clone() if isinstance(t, torch.Tensor) else t) for n, t in st.items()} for k, st in osd["state"].items()}
-    return {"model": sd, "state": state}
-
-
 def save_at_4(rank: int, world: int, root: str) -> Any:
     model, opt = _fsdp2(seed=0)
-    _train(model, opt, 2)
+    train_same_batches(model, opt, 2, seed=11, features=6)
     for _, p in model.named_parameters():
         assert [type(pl).__name__ for pl in p.placements] == ["Shard"] and p.placements[0].dim == 0
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", every_n_steps=1, dist_timeout_secs=30) as mgr:
         mgr.save(2)
-    full = _full(model, opt)  # collective
+    full = gathered_state(model, opt)  # collective
     return full if rank == 0 else None
 
 
@@ -85,13 +65,13 @@ def restore_counting_reads(rank: int, world: int, root: str) -> Any:
                            storage_options={"target_protocol": "file", "faults": plan}) as mgr:
         for attempt in range(2):
             if attempt == 1:
-                _train(model, opt, 1, seed=3)  # live optimizer state now exists and differs from the checkpoint
+                train_same_batches(model, opt, 1, seed=3, features=6)  # live optimizer state now exists and differs from the checkpoint
             plan.injected.clear()
             assert mgr.restore_latest() == 2
             out["reads"].append(sorted({Path(f.path).name for f in plan.injected}))
-            full = _full(model, opt)  # collective
+            full = gathered_state(model, opt)  # collective
             out["full"].append(full if rank == 0 else None)
-    _train(model, opt, 1, seed=7)  # training goes on from the restored state
+    train_same_batches(model, opt, 1, seed=7, features=6)  # training goes on from the restored state
     return out
 
 
@@ -100,7 +80,7 @@ def restore_expecting_corruption(rank: int, world: int, root: str) -> Any:
     from checkpointd.errors import CorruptCheckpointError
 
     model, opt = _fsdp2(seed=5)
-    _train(model, opt, 1, seed=3)
+    train_same_batches(model, opt, 1, seed=3, features=6)
     before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     error = ""
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
@@ -112,16 +92,6 @@ def restore_expecting_corruption(rank: int, world: int, root: str) -> Any:
     return {"error": error, "unchanged": unchanged}
 
 
-def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert sorted(got["model"]) == sorted(want["model"])
-    for k, t in want["model"].items():
-        assert torch.equal(got["model"][k], t), k
-    assert sorted(got["state"]) == sorted(want["state"])
-    for k, st in want["state"].items():
-        for n, t in st.items():
-            assert torch.equal(torch.as_tensor(got["state"][k][n]), torch.as_tensor(t)), (k, n)
-
-
 def test_reshard_4_to_2_reads_only_overlapping_shard_files(tmp_path: Path) -> None:
     root = str(tmp_path)
     saved = run_distributed(save_at_4, 4, root)[0]
@@ -129,7 +99,7 @@ def test_reshard_4_to_2_reads_only_overlapping_shard_files(tmp_path: Path) -> No
     for attempt in range(2):
         assert results[0]["reads"][attempt] == ["rank-00000.pt.zst", "rank-00001.pt.zst"], results[0]["reads"]
         assert results[1]["reads"][attempt] == ["rank-00000.pt.zst", "rank-00002.pt.zst", "rank-00003.pt.zst"], results[1]["reads"]
-        _assert_same(results[0]["full"][attempt], saved)
+        assert_same_state(results[0]["full"][attempt], saved)
     # checkpointd.load still assembles the whole checkpoint from every shard file
     data = checkpointd.load(root)
     for k, t in saved["model"].items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_harness import device, run_distributed
+from dist_harness import assert_same_state, device, gathered_state, run_distributed, train_same_batches
 
 import checkpointd
 from checkpointd import CheckpointManager
@@ -45,48 +45,21 @@ def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 123) -> None:
-    g = torch.Generator().manual_seed(seed)  # same batches on every rank
-    for _ in range(steps):
-        x = torch.randn(4, 5, generator=g).to(next(model.parameters()).device)
-        model(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Gathered model and FQN-keyed optimizer state on every rank (CPU)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True)
-    sd = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}
-    osd = get_optimizer_state_dict(model, opt, options=opts)
-    state = {k: {n: (t.cpu().clone() if isinstance(t, torch.Tensor) else t) for n, t in st.items()} for k, st in osd["state"].items()}
-    groups = [{k: v for k, v in g.items()} for g in osd["param_groups"]]
-    return {"model": sd, "state": state, "groups": groups}
-
-
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert sorted(got["model"]) == sorted(want["model"])
-    for k in want["model"]:
-        assert torch.equal(got["model"][k], want["model"][k]), k
-    assert sorted(got["state"]) == sorted(want["state"])
-    for k, st in want["state"].items():
-        for n, t in st.items():
-            assert torch.equal(torch.as_tensor(got["state"][k][n]), torch.as_tensor(t)), (k, n)
+    assert_same_state(got, want)
     assert [g["lr"] for g in got["groups"]] == [g["lr"] for g in want["groups"]]
 
 
 # -- scenarios run on every rank ---------------------------------------------------------------------
 def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
     model, opt = _fsdp2(seed=0)
-    _train(model, opt, 2)
+    train_same_batches(model, opt, 2, seed=123, features=5)
     torch.manual_seed(1000 + rank)  # per-rank RNG to find back
     with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, every_n_steps=1, dist_timeout_secs=30) as mgr:
         assert mgr.maybe_save(2)
         after_save = torch.rand(3)
         opt.param_groups[0]["lr"] = 0.5  # changes after the save must not leak into it
-        _train(model, opt, 1, seed=7)
+        train_same_batches(model, opt, 1, seed=7, features=5)
         mgr.wait()
         steps = mgr.steps()
     return {"steps": steps, "rng": after_save}
@@ -95,8 +68,8 @@ def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
 def saved_reference(rank: int, world: int) -> Any:
     """What the saved state must gather to: the same training without checkpointing."""
     model, opt = _fsdp2(seed=0)
-    _train(model, opt, 2)
-    full = _full(model, opt)  # collective: every rank
+    train_same_batches(model, opt, 2, seed=123, features=5)
+    full = gathered_state(model, opt)  # collective: every rank
     return full if rank == 0 else None
 
 
@@ -108,9 +81,9 @@ def restore_fsdp2(rank: int, world: int, root: str) -> Any:
         with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
             step = mgr.restore_latest()
     rng = torch.rand(3)
-    out = _full(model, opt)
+    out = gathered_state(model, opt)
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    _train(model, opt, 1, seed=7)  # training continues from the restored state
+    train_same_batches(model, opt, 1, seed=7, features=5)  # training continues from the restored state
     return {"step": step, "full": out if rank == 0 else None, "rng": rng, "local_shapes": local,
             "rng_warning": any("RNG" in str(w.message) for w in caught)}
 
@@ -191,10 +164,10 @@ def test_sharded_checkpoint_loads_whole(sharded_at_2: tuple[str, list[Any]], ref
 # -- full mode and cross-mode -------------------------------------------------------------------------
 def full_save_then_restore(rank: int, world: int, root: str) -> Any:
     model, opt = _fsdp2(seed=0)
-    _train(model, opt, 2)
+    train_same_batches(model, opt, 2, seed=123, features=5)
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, dist_timeout_secs=30) as mgr:
         mgr.save(2)
-    full = _full(model, opt)  # collective: every rank
+    full = gathered_state(model, opt)  # collective: every rank
     return full if rank == 0 else None
 
 
@@ -202,7 +175,7 @@ def restore_full_or_single(rank: int, world: int, root: str) -> Any:
     model, opt = _fsdp2(seed=9)
     with CheckpointManager(root, {"model": model, "optim": opt}, dist_timeout_secs=30) as mgr:
         step = mgr.restore_latest()
-    full = _full(model, opt)  # collective: every rank
+    full = gathered_state(model, opt)  # collective: every rank
     return {"step": step, "full": full if rank == 0 else None}
 
 
@@ -227,7 +200,7 @@ def test_single_process_checkpoint_restores_into_fsdp2_and_back(tmp_path: Path, 
     torch.manual_seed(0)
     model = Net().to(device())  # the reference trained on this device (cuda:0 under nccl): same numerics
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-    _train(model, opt, 2)
+    train_same_batches(model, opt, 2, seed=123, features=5)
     with CheckpointManager(tmp_path / "single", {"model": model, "optim": opt}) as mgr:
         mgr.save(2)
     results = run_distributed(restore_full_or_single, 2, str(tmp_path / "single"))

@@ -20,6 +20,7 @@ from checkpointd.partial import CheckpointFile, load_tensor, load_tensors
 from checkpointd.storage import Store
 from checkpointd.testing.tamper import rewrite_manifest
 from checkpointd.verify import verify_step
+from fake_physicsnemo import FakePNModule
 
 STEPS = (10, 20)
 
@@ -245,15 +246,8 @@ def test_partial_read_detects_damage(root: Path) -> None:
         load_tensors(str(step_dir), ["model/weight", "model/bias"])
 
 
-class FakePN(torch.nn.Module):
+class FakePN(FakePNModule):
     """Duck-typed PhysicsNeMo module, so its file is a .mdlus."""
-
-    __model_checkpoint_version__ = "0.1.0"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "FakePN":
-        out = super().__new__(cls)
-        out._args = {"__name__": cls.__name__, "__module__": cls.__module__, "__args__": dict(kwargs)}
-        return out
 
     def __init__(self) -> None:
         super().__init__()

@@ -6,7 +6,6 @@ a warning, and a root whose every committed step is damaged raises instead of re
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -22,6 +22,7 @@ from checkpointd import CheckpointManager, UnsafeCheckpointError
 from checkpointd.cli import main
 from checkpointd.partial import load_tensor
 from checkpointd.testing.tamper import CodeRunner, forge_file, malicious_mdlus, malicious_pt
+from fake_physicsnemo import FakePNModule
 
 STEP = 5
 
@@ -34,15 +35,8 @@ def _payloads(marker: Path) -> dict[str, CodeRunner]:
     }
 
 
-class FakePN(torch.nn.Module):
+class FakePN(FakePNModule):
     """Duck-typed PhysicsNeMo module, so its file is a .mdlus."""
-
-    __model_checkpoint_version__ = "0.1.0"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "FakePN":
-        out = super().__new__(cls)
-        out._args = {"__name__": cls.__name__, "__module__": cls.__module__, "__args__": dict(kwargs)}
-        return out
 
     def __init__(self) -> None:
         super().__init__()

@@ -275,7 +275,7 @@ class Snapshotter:
         key = tuple(specs)
         device_key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if on_cuda)
         pin = self.cuda
-        if self._ring_mode([on_cuda for on_cuda in cuda_mask]):  # host budget: the ring, plus an unpinned arena for CPU tensors
+        if self._ring_mode(cuda_mask):  # host budget: the ring, plus an unpinned arena for CPU tensors
             self._prepare_ring_async()
             key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if not self._streamed_device(on_cuda))
             pin = False
@@ -438,11 +438,12 @@ class Snapshotter:
         Returns at once on CUDA (copies queued on a side stream); synchronous otherwise.
         """
         specs = tuple(tensor_spec(t) for t in tensors)
-        if self._ring_mode([t.device.type == "cuda" for t in tensors]):
+        on_cuda = [t.device.type == "cuda" for t in tensors]
+        if self._ring_mode(on_cuda):
             return self._snapshot_streamed(tensors, specs, n_buffer_tensors)
         arena = self._acquire(specs)
         staged = list(arena.buffers)
-        device_idx = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        device_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
         with torch.no_grad():
             for i, t in enumerate(tensors):
                 if t.device.type != "cuda":
