@@ -59,7 +59,7 @@ ZIP64_LIMIT = 0xFFFFFFFF
 """Sizes and offsets at or above this go to zip64 extra fields (the format's own limit)."""
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes per write task."""
-CRC_SLICE_BYTES = 1 << 20
+CRC_SLICE_BYTES = max(64 << 10, int(float(os.environ.get("CHECKPOINTD_WRITE_SLICE_MB", "") or 1) * (1 << 20)))
 """Within a task, CRC then write this much at a time, so the write reads the bytes from cache."""
 SMALL_ALIGN = 64
 LARGE_ALIGN = 4096
@@ -81,12 +81,30 @@ _pool: ThreadPoolExecutor | None = None
 _in_pool = threading.local()
 
 
+IO_THREADS_ENV = "CHECKPOINTD_IO_THREADS"
+"""Size of the shared I/O pool (default ``min(32, max(4, cpu_count))``)."""
+WRITE_LANES_ENV = "CHECKPOINTD_WRITE_THREADS_PER_FILE"
+"""See :func:`write_lanes`."""
+
+
 def _mark_pool_thread() -> None:
     _in_pool.flag = True
 
 
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, "") or default)
+    except ValueError:
+        return default
+
+
+def io_threads() -> int:
+    """The I/O pool's size: ``CHECKPOINTD_IO_THREADS`` or ``min(32, max(4, cpu_count))``."""
+    return max(1, _env_int(IO_THREADS_ENV, min(32, max(4, os.cpu_count() or 1))))
+
+
 def io_executor() -> ThreadPoolExecutor:
-    """The shared pool for positional reads and writes (``min(32, max(4, cpu_count))`` threads).
+    """The shared pool for positional reads and writes (:func:`io_threads` threads).
 
     Tasks on it never wait on other tasks of it, so files of one save (each driven from a writer
     thread) and the chunks within them share it without deadlock.
@@ -94,8 +112,8 @@ def io_executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(32, max(4, os.cpu_count() or 1)),
-                                       thread_name_prefix="checkpointd-io", initializer=_mark_pool_thread)
+            _pool = ThreadPoolExecutor(max_workers=io_threads(), thread_name_prefix="checkpointd-io",
+                                       initializer=_mark_pool_thread)
         return _pool
 
 
@@ -103,17 +121,21 @@ def in_io_pool() -> bool:
     return bool(getattr(_in_pool, "flag", False))
 
 
-def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None) -> list[Any]:
+def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None, lanes: int | None = None) -> list[Any]:
     """Run ``fns`` on the pool (inline when called from one of its threads); results in order.
 
-    On the first failure, tasks not yet started are cancelled, running ones are waited for, and the
-    failure is raised.
+    ``lanes``: at most this many of ``fns`` run at once (each lane runs the next task when its
+    current one ends), so that several callers share the pool instead of the first queueing all of
+    its tasks ahead of the others. On the first failure, tasks not yet started are cancelled (or
+    skipped), running ones are waited for, and the failure is raised.
     """
     if not fns:
         return []
     if len(fns) == 1 or (executor is None and in_io_pool()):
         return [fn() for fn in fns]
     pool = executor or io_executor()
+    if lanes is not None and 0 < lanes < len(fns):
+        return _run_in_lanes(fns, pool, lanes)
     futures: list[Future[Any]] = [pool.submit(fn) for fn in fns]
     try:
         return [f.result() for f in futures]
@@ -127,6 +149,48 @@ def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None) ->
                 except BaseException:  # noqa: BLE001 - waiting only
                     pass
         raise
+
+
+def _run_in_lanes(fns: list[Callable[[], Any]], pool: Executor, lanes: int) -> list[Any]:
+    results: list[Any] = [None] * len(fns)
+    lock = threading.Lock()
+    state = {"next": 0, "failed": False}
+
+    def lane() -> None:
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= len(fns) or state["failed"]:
+                    return
+                state["next"] = i + 1
+            try:
+                results[i] = fns[i]()
+            except BaseException:
+                state["failed"] = True
+                raise
+
+    futures = [pool.submit(lane) for _ in range(lanes)]
+    error: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as exc:  # noqa: BLE001 - keep the first, wait for every lane
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def write_lanes() -> int:
+    """Threads that write one file at once: ``CHECKPOINTD_WRITE_THREADS_PER_FILE``, default 4.
+
+    More do not write faster: buffered writes to one file serialise on the file's inode lock (tmpfs,
+    ext4, xfs). Measured on an H200 host (16 cores, tmpfs, 5 GB from pinned memory): 4 threads wrote
+    one file at 3.0-3.1 GB/s, 16 threads at 1.7-2.8 GB/s, and the 16 cost the training steps that
+    ran meanwhile 10-16 ms against 0-5 ms. Files of one save are written side by side, each with
+    its own lanes.
+    """
+    return max(1, _env_int(WRITE_LANES_ENV, 4))
 
 
 # -- layout ---------------------------------------------------------------------------------------------
@@ -478,7 +542,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task])
 
     try:
-        results = run_tasks([make(t) for t in tasks], executor)
+        results = run_tasks([make(t) for t in tasks], executor, lanes=write_lanes())
         if deferred:
             _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put))  # type: ignore[misc]
     finally:

@@ -129,16 +129,30 @@ def stage_save(
                                                           step_dir, clear_step_dir)
         return job
 
-    def before_write() -> None:  # committer thread
-        staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
-        clear_step_dir(step_dir)
+    def plan_files() -> None:  # committer thread
+        if job.files:
+            return
         for f, skeleton in zip(files, skeletons):
             tree = resolve_deferred(_fill_slots(skeleton, staged))
             plan = plan_pt(tree)
             job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=_record_dtypes(tree, plan),
                                      json_members=f.json_members, rank=f.rank))
 
+    def plan_ahead() -> None:  # committer thread, before the copies are waited for
+        # Pickling needs only the staged buffers' layout, so it runs while the copies are in flight:
+        # this Python work then overlaps the device-to-host copy (which training waits for anyway)
+        # instead of holding the GIL during the training steps after it. DeferredScalars need the
+        # copied values: such files are pickled after the wait.
+        if not _deferred_slots(skeletons):
+            plan_files()
+
+    def before_write() -> None:  # committer thread
+        staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
+        clear_step_dir(step_dir)
+        plan_files()
+
     job.before_write = before_write
+    job.plan_files = plan_ahead
     return job
 
 

@@ -40,6 +40,8 @@ class FileJob:
     rank: int = 0
     records: Any = None
     """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
+    image: Any = None
+    """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
 
 
 @dataclass
@@ -49,7 +51,8 @@ class SaveJob:
     files: list[FileJob]
     manifest: Manifest
     before_write: Callable[[], None]
-    """Runs first on the committer thread: waits for the snapshot copies, finishes deferred values."""
+    """Runs on the committer thread: waits for the snapshot copies, finishes deferred values (and plans
+    the files if ``plan_files`` did not)."""
     after_files: Callable[[], None]
     """Runs once every file is written (success or not): frees the staging buffers."""
     commit_hook: Callable[[SaveJob], None] | None = None
@@ -57,6 +60,9 @@ class SaveJob:
     after_commit: Callable[[SaveJob], None] | None = None
     stream: Any = None
     """Host budget: the ``chunkstream.ChunkStream`` that ``write_files`` runs while the files are written."""
+    plan_files: Callable[[], None] | None = None
+    """Runs first, before ``before_write`` waits for the copies: pickles the files into ``files`` when
+    that needs no copied value (the Python work then overlaps the copy, not the training steps after it)."""
     future: Future = field(default_factory=Future)
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
@@ -110,6 +116,8 @@ class BackgroundWriter:
     def _process(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         try:
+            self.plan_job(job)
+            t0 = time.perf_counter()
             job.before_write()
         except BaseException:
             job.after_files()
@@ -128,6 +136,17 @@ class BackgroundWriter:
         if job.after_commit is not None:
             job.after_commit(job)
         job.timings["retention_secs"] = time.perf_counter() - t3
+
+    def plan_job(self, job: SaveJob) -> None:
+        """Pickle the files and lay out their zip images ahead of the copies, where the job allows it."""
+        if job.plan_files is None:
+            return
+        t0 = time.perf_counter()
+        job.plan_files()
+        for fjob in job.files:
+            if parallel_write_applies(self.store, self.codec, fjob):
+                fjob.image = file_image(fjob)
+        job.timings["plan_secs"] = time.perf_counter() - t0
 
     def write_files(self, job: SaveJob) -> BaseException | None:
         """Write every file of ``job`` in parallel; returns the first failure (None if all succeeded).
@@ -298,15 +317,22 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEn
     """
     from . import ptlayout
 
-    if fjob.format == "mdlus":
-        image = ptlayout.mdlus_image(fjob.json_members or {}, fjob.plan)
-    else:
-        image = ptlayout.pt_image(fjob.plan)
+    image = fjob.image if fjob.image is not None else file_image(fjob)
+    fjob.image = None  # an image is written once (its pieces record CRCs); a retry lays it out again
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None)
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
+
+
+def file_image(fjob: FileJob) -> Any:
+    """The zip image (every offset fixed) of a ``pt`` or ``mdlus`` file job, for positional writes."""
+    from . import ptlayout
+
+    if fjob.format == "mdlus":
+        return ptlayout.mdlus_image(fjob.json_members or {}, fjob.plan)
+    return ptlayout.pt_image(fjob.plan)
 
 
 def _discard(raw: Any) -> None:

@@ -112,6 +112,8 @@ class DistributedWriter(BackgroundWriter):
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:
+            self.plan_job(job)
+            t0 = time.perf_counter()
             job.before_write()
         except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
             error = exc
