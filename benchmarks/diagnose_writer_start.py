@@ -233,10 +233,8 @@ def main():
                 EV.clear()
             join = None
             times = []
-            t_start = None
             for i in range(30):
                 t0 = time.perf_counter()
-                step_events = None
                 if kind == "ckd":
                     with torch.autocast(dev.device.type, dtype=torch.bfloat16):
                         y = model(x)
@@ -252,7 +250,6 @@ def main():
                     step()
                     if i == 5:
                         dev.sync()
-                        t_start = time.perf_counter()
                         if kind == "pwrite":
                             join = bg_pwrite(buf, int(ps[0]), int(ps[1]), a.dir, int(ps[2]) if len(ps) > 2 else 0)
                         elif kind == "crc":

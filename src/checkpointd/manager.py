@@ -7,8 +7,9 @@ A save, in order (``maybe_save`` on the training thread, then the background wri
 3. ``savejob.stage_save``    tensors -> ``snapshot.Snapshotter``: reused (pinned) CPU buffers; on CUDA the
                              copies go on a side stream; returns the background job
    --- ``maybe_save`` returns here; the rest runs on the committer thread (``writer.py``) ---
-4. ``serialize.plan_pt``     pickle each tree; ``writer.write_one_file``: ``serialize``/``ptlayout`` ->
-                             ``compress`` -> checksum -> ``storage``
+4. ``serialize.plan_pt``     pickle each tree (while the device-to-host copies still run, see
+                             ``SaveJob.plan_files``); ``writer.write_one_file``: ``serialize``/``ptlayout``
+                             -> ``compress`` -> checksum -> ``storage``
 5. ``commit``                manifest.json, then COMMITTED, written last
 6. ``retention``             ``policy.RetentionPolicy`` decides; committed steps it drops and uncommitted
                              leftovers are deleted (marker first)

@@ -21,10 +21,8 @@ uploads local steps newer than the remote's newest at startup.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,6 +37,7 @@ from .errors import (
 from .retention import MetricsCache, apply_retention
 from .manifest import FileEntry
 from .policy import RetentionPolicy
+from .serial_worker import SerialWorker
 from .storage import Store
 
 __all__ = ["Uploader", "restore_latest_two_tier"]
@@ -50,7 +49,7 @@ COPY_CHUNK_BYTES = 8 * 2**20
 _NOT_VERIFIED = (CorruptCheckpointError, IncompleteCheckpointError, ManifestError)
 
 
-class Uploader:
+class Uploader(SerialWorker):
     """Copies committed local steps to the remote root, one step at a time, on a background thread.
 
     Args:
@@ -70,18 +69,15 @@ class Uploader:
         """Called on the uploader thread after each upload (and remote retention): local retention."""
         self.remote = remote
         self.retention = retention
+        super().__init__("checkpointd-uploader")
         self._pool = ThreadPoolExecutor(max_workers=max(1, file_threads), thread_name_prefix="checkpointd-upload")
-        self._cv = threading.Condition()
-        self._queue: deque[int] = deque()
         self._active: int | None = None
         self._busy = False
         self._failures: list[tuple[int, BaseException]] = []
         self._metrics = MetricsCache(remote)
-        self._closed = False
         self.uploaded: list[int] = []
         """Steps uploaded by this uploader, in order."""
-        self._thread = threading.Thread(target=self._run, name="checkpointd-uploader", daemon=True)
-        self._thread.start()
+        self._start()
 
     # -- training/committer thread API ---------------------------------------------------------
     def submit(self, step: int) -> None:
@@ -141,29 +137,21 @@ class Uploader:
             return self._failures.pop(0) if self._failures else None
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
+        self._stop()
         self._pool.shutdown(wait=True)
 
     # -- uploader thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
+    def _took(self, step: int) -> None:
+        self._active = step
+        self._busy = True
+
+    def _handle(self, step: int) -> None:
+        try:
+            self._upload_and_retain(step)
+        finally:
             with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                step = self._queue.popleft()
-                self._active = step
-                self._busy = True
-            try:
-                self._upload_and_retain(step)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+                self._busy = False
+                self._cv.notify_all()
 
     def _upload_and_retain(self, step: int) -> None:
         try:

@@ -23,6 +23,7 @@ from . import commit, layout
 from .checksum import ChecksumWriter, format_crc
 from .manifest import FileEntry, Manifest
 from .serialize import PtPlan, write_pt
+from .serial_worker import SerialWorker
 from .storage import Store
 
 logger = logging.getLogger("checkpointd")
@@ -69,49 +70,36 @@ class SaveJob:
     raw_bytes: int = 0
 
 
-class BackgroundWriter:
-    """Owns the committer thread and the file-writing pool."""
+class BackgroundWriter(SerialWorker):
+    """Owns the committer thread (one save at a time, in order) and the file-writing pool."""
 
     def __init__(self, store: Store, codec: Any, file_threads: int = 4, retry: Any = None) -> None:
+        super().__init__("checkpointd-committer")
         self.store = store
         self.codec = codec
         self.retry = retry if retry is not None else getattr(store, "retry", None)
         self._pool = ThreadPoolExecutor(max_workers=max(1, file_threads), thread_name_prefix="checkpointd-file")
-        self._queue: list[SaveJob] = []
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="checkpointd-committer", daemon=True)
-        self._thread.start()
+        self._start()
 
     def submit(self, job: SaveJob) -> Future:
         with self._cv:
             if self._closed:
                 raise RuntimeError("writer is closed")
             self._queue.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
         return job.future
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join()
+        self._stop()
         self._pool.shutdown(wait=True)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                job = self._queue.pop(0)
-            try:
-                with _short_gil_switch_interval():
-                    self._process(job)
-                job.future.set_result(job)
-            except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
-                job.future.set_exception(exc)
+    def _handle(self, job: SaveJob) -> None:
+        try:
+            with _short_gil_switch_interval():
+                self._process(job)
+            job.future.set_result(job)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
+            job.future.set_exception(exc)
 
     def _process(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
