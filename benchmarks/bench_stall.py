@@ -398,6 +398,10 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             clipped.append(sum(max(0.0, st[j] - med) for j in idx))
         r["stall_ms"] = [1e3 * x for x in stalls]
         r["stall_clipped_ms"] = [1e3 * x for x in clipped]
+        if r["saves"]:  # where the stall lands: the save step, the next two, the 18 after (means over checkpoints)
+            parts = [[st[s - 1 + k] - med for s in r["saves"]] for k in range(3)]
+            parts.append([sum(st[j] - med for j in range(s + 2, s - 1 + WINDOW)) for s in r["saves"]])
+            r["stall_by_step_ms"] = [1e3 * sum(p) / len(p) for p in parts]
         in_window = set()
         for s in r["saves"]:
             in_window.update(range(s - 1, s - 1 + WINDOW))
@@ -433,6 +437,8 @@ def summarise(res: dict) -> str:
                        first=C.fmt(s[0]), clip=C.fmt(sum(r["stall_clipped_ms"]) / len(s)))
             b = r["block_s"]
             row.update(block=C.fmt(1e3 * sum(b) / len(b), ".1f"), bfirst=C.fmt(1e3 * b[0], ".1f"))
+            if r.get("stall_by_step_ms"):
+                row["where"] = "/".join(f"{x:.0f}" for x in r["stall_by_step_ms"])
             if r["method"].startswith("checkpointd"):
                 tgt = fl.get("target_device_ms") if r["method"] == "checkpointd_device" else fl.get("target_pinned_ms")
                 if r["method"].startswith("checkpointd_host"):
@@ -471,7 +477,7 @@ def summarise(res: dict) -> str:
             row["note"] = "; ".join(notes)[:110]
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
-            ("clip", "stall+"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
+            ("clip", "stall+"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
             ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
             ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
             ("persist", "persist s"), ("target", "target"), ("note", "note")]
@@ -494,7 +500,8 @@ def summarise(res: dict) -> str:
         head += ("   `none` baseline median step " + C.fmt(nones[0].get("none_median_step_ms"), ".2f") + " ms (pooled over "
                  + ", ".join(f"{r['method']} {r['median_step_ms']:.2f}" for r in nones) + " ms)\n")
     head += ("   stall = sum over save step + 20 steps of (step - median step of `none`), mean [min, max] over "
-             "checkpoints, first included; stall+ = same with negatives clipped; block = time inside the save call;\n"
+             "checkpoints, first included; stall+ = same with negatives clipped; save/+1/+2/rest = the stall's share on the save step,\n"
+             "   the next two steps and the 18 after (means); block = time inside the save call;\n"
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
              "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save\n")
