@@ -102,7 +102,6 @@ class BackgroundWriter(SerialWorker):
             job.future.set_exception(exc)
 
     def _process(self, job: SaveJob) -> None:
-        t0 = time.perf_counter()
         try:
             self.plan_job(job)
             t0 = time.perf_counter()
