@@ -56,7 +56,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ import zstandard as zstd
 from . import compress_planes as kernels
 from . import layout
 from .errors import ConfigError, CorruptCheckpointError
+from .streams import ReadStream
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
@@ -114,7 +115,7 @@ class Codec(Protocol):
 
     def encoder(self, out: WriteSink) -> Encoder: ...
 
-    def open_decoded(self, raw: BinaryIO) -> BinaryIO: ...
+    def open_decoded(self, raw: ReadStream) -> ReadStream: ...
 
 
 # -- thread pool ----------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class NoCodec:
     def encoder(self, out: WriteSink) -> Encoder:
         return _PassthroughEncoder(out)
 
-    def open_decoded(self, raw: BinaryIO) -> BinaryIO:
+    def open_decoded(self, raw: ReadStream) -> ReadStream:
         return raw
 
     def __repr__(self) -> str:
@@ -223,7 +224,7 @@ class ZstdCodec:
         """
         return _ChunkedEncoder(self, out)
 
-    def open_decoded(self, raw: BinaryIO) -> BinaryIO:
+    def open_decoded(self, raw: ReadStream) -> ReadStream:
         """A seekable stream of the native bytes of ``raw``; closing it closes ``raw``.
 
         Raises:
@@ -304,7 +305,7 @@ def decode_bytes(name: str, data: Any) -> bytes | bytearray:
     source = memoryview(data).cast("B")
     from .compress_reader import DecodedReader
 
-    with DecodedReader(codec, io.BytesIO(b""), source) as stream:
+    with DecodedReader(cast(ZstdCodec, codec), io.BytesIO(b""), source) as stream:  # every codec but "none" is one
         out = bytearray(stream.seek(0, io.SEEK_END))
         stream.seek(0)
         if out and stream.readinto(out) != len(out):

@@ -33,9 +33,9 @@ _SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 
 _KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
 _FLAG_ROTATED = 1
-_UINT_BY_ITEMSIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT_BY_ITEMSIZE: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT_BY_ITEMSIZE = {2: np.int16, 4: np.int32, 8: np.int64}
-_UINT_BY_WIDTH = {1: np.uint8, **_UINT_BY_ITEMSIZE}
+_UINT_BY_WIDTH: dict[int, type[np.unsignedinteger[Any]]] = {1: np.uint8, **_UINT_BY_ITEMSIZE}
 
 _local = threading.local()
 
@@ -163,8 +163,8 @@ def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | N
 
 def _entropy_bits(plane: np.ndarray) -> float:
     """Shannon entropy of the byte histogram, in bits per byte."""
-    freq = np.bincount(plane, minlength=256)
-    freq = freq[freq > 0] / plane.size
+    counts = np.bincount(plane, minlength=256)
+    freq = counts[counts > 0] / plane.size
     return float(-(freq * np.log2(freq)).sum())
 
 
@@ -245,7 +245,7 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
         blob = body[pos : pos + stored]
         pos += stored
         if mode == 1:
-            plane = decoded[i] if merge else _scratch("plane", count)
+            plane = decoded[i] if decoded is not None else _scratch("plane", count)  # not None iff merge
             zstd_decompress_into(blob, plane)
         elif mode == 0 and blob.nbytes == count:
             actual_crc = crc32(blob, actual_crc)

@@ -13,17 +13,17 @@ import struct
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any, BinaryIO
+from typing import Any, cast
 
 import numpy as np
 
 from . import compress_planes as kernels
 from .compress import _ENTRY, _FOOTER, _FRAME_HEADER, _SKIPPABLE_INDEX_MAGIC, ZstdCodec
 from .errors import CorruptCheckpointError
-from .streams import SeekableReader
+from .streams import ReadStream, SeekableReader
 
 
-def _read_index(raw: BinaryIO, footer_magic: int, codec_name: str) -> tuple[list[int], list[int]]:
+def _read_index(raw: ReadStream | _ViewFile, footer_magic: int, codec_name: str) -> tuple[list[int], list[int]]:
     """Frame offsets and native offsets (each with a final end offset) from the trailing seek table."""
     end = raw.seek(0, io.SEEK_END)
     hint = f"the {codec_name!r} file is truncated, corrupt, or was not written by checkpointd"
@@ -52,7 +52,7 @@ def _read_index(raw: BinaryIO, footer_magic: int, codec_name: str) -> tuple[list
     return frame_offsets, native_offsets
 
 
-def _read_exact(raw: BinaryIO, nbytes: int, hint: str) -> bytes:
+def _read_exact(raw: ReadStream | _ViewFile, nbytes: int, hint: str) -> bytes:
     data = raw.read(nbytes)
     if data is None or len(data) != nbytes:
         raise CorruptCheckpointError(f"{hint}: short read ({0 if data is None else len(data)} of {nbytes} bytes)")
@@ -87,10 +87,10 @@ class DecodedReader(SeekableReader):
     given to :func:`decode_bytes`) is sliced without any copy.
     """
 
-    def __init__(self, codec: ZstdCodec, raw: BinaryIO, source: memoryview | None = None) -> None:
+    def __init__(self, codec: ZstdCodec, raw: ReadStream, source: memoryview | None = None) -> None:
         super().__init__()
         if source is None and callable(getattr(raw, "getbuffer", None)) and not isinstance(raw, io.BytesIO):
-            source = memoryview(raw.getbuffer()).cast("B")  # a BytesIO export would pin it open
+            source = memoryview(cast(Any, raw).getbuffer()).cast("B")  # a BytesIO export would pin it open
         if source is None and not (raw.seekable() if hasattr(raw, "seekable") else False):
             raw = io.BytesIO(raw.read())
         self._codec = codec

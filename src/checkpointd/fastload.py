@@ -22,12 +22,13 @@ usual errors (``UnsafeCheckpointError``, ``CorruptCheckpointError``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
 import struct
 import zipfile
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -182,11 +183,11 @@ def read_file_verified(path: str, expected_size: int, where: str) -> tuple[torch
         if use_mmap(path, size):
             buf = _map_file(fd, size)
             view = byte_view(buf)
-            crcs = ptlayout.run_tasks([lambda a=a, b=b: _crc_task(buf, view, a, b) for a, b in ranges])
+            crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges])
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             view = byte_view(buf)
-            crcs = ptlayout.run_tasks([lambda a=a, b=b: _read_task(fd, view, a, b) for a, b in ranges])
+            crcs = ptlayout.run_tasks([functools.partial(_read_task, fd, view, a, b) for a, b in ranges])
     finally:
         os.close(fd)
     crc = 0
@@ -200,7 +201,8 @@ def decode_to_buffer(codec_name: str, stored: torch.Tensor, native_size: int | N
     from .compress import get_codec
 
     view = byte_view(stored)
-    with get_codec(codec_name).open_decoded(BufferReader(view)) as src:
+    # a BufferReader in gives a SeekableReader out (a DecodedReader, or the BufferReader itself)
+    with cast(SeekableReader, get_codec(codec_name).open_decoded(BufferReader(view))) as src:
         if native_size is None:
             native_size = src.seek(0, 2)
             src.seek(0)
@@ -230,7 +232,7 @@ def load_pt_in_place(buf: torch.Tensor) -> Any:
     from torch.serialization import _load
 
     view = byte_view(buf)
-    reader = torch._C.PyTorchFileReader(BufferReader(view))
+    reader = torch._C.PyTorchFileReader(BufferReader(view))  # type: ignore[call-overload]  # stub: IO[bytes] only
     storage = buf.untyped_storage()
     offset = buf.storage_offset()
     if offset or storage.nbytes() != buf.numel():

@@ -28,13 +28,13 @@ import pickletools
 import re
 import tarfile
 import zipfile
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
 from checkpointd.errors import CheckpointError, CorruptCheckpointError, StateError, UnsafeCheckpointError
 from checkpointd.serialize import PtPlan, Sink, write_pt
-from checkpointd.streams import WriteOnlyStream
+from checkpointd.streams import ReadStream, WriteOnlyStream
 
 ARGS_MEMBER = "args.json"
 METADATA_MEMBER = "metadata.json"
@@ -209,7 +209,7 @@ def _needs_zip64(plan: PtPlan) -> bool:
 class _MemberWriter:
     """The sink ``write_pt`` writes ``model.pt`` into: the open zip member."""
 
-    def __init__(self, member: BinaryIO, outer: Sink) -> None:
+    def __init__(self, member: IO[bytes], outer: Sink) -> None:
         self._member = member
         self._outer = outer
 
@@ -229,7 +229,7 @@ class _HintedMemberWriter(_MemberWriter):
         self._outer.dtype_hint = value  # type: ignore[attr-defined]
 
 
-def _member_writer(member: BinaryIO, outer: Sink) -> _MemberWriter:
+def _member_writer(member: IO[bytes], outer: Sink) -> _MemberWriter:
     # write_pt sets dtype_hint only on sinks that have it, so the attribute must exist only then.
     return _HintedMemberWriter(member, outer) if hasattr(outer, "dtype_hint") else _MemberWriter(member, outer)
 
@@ -237,7 +237,7 @@ def _member_writer(member: BinaryIO, outer: Sink) -> _MemberWriter:
 # --- reading -----------------------------------------------------------------------------------------
 
 
-def open_mdlus_model_pt(raw: BinaryIO | bytes) -> BinaryIO:
+def open_mdlus_model_pt(raw: ReadStream | bytes) -> BinaryIO:
     """A readable, seekable stream of the ``model.pt`` member of a ``.mdlus`` file.
 
     Tries tar first, then zip, like PhysicsNeMo: a pre-2.0 tar is often also a valid zip. A stored zip
@@ -250,7 +250,7 @@ def open_mdlus_model_pt(raw: BinaryIO | bytes) -> BinaryIO:
     return _open_member(_seekable(raw), MODEL_MEMBER)
 
 
-def read_mdlus_json(raw: BinaryIO | bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_mdlus_json(raw: ReadStream | bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(args, metadata)`` of a ``.mdlus`` file, parsed like PhysicsNeMo (``Infinity``/``NaN`` allowed).
 
     Raises:
@@ -262,7 +262,7 @@ def read_mdlus_json(raw: BinaryIO | bytes) -> tuple[dict[str, Any], dict[str, An
     return args, metadata
 
 
-def load_mdlus_state_dict(raw: BinaryIO | bytes) -> dict[str, Any]:
+def load_mdlus_state_dict(raw: ReadStream | bytes) -> dict[str, Any]:
     """The model state dict of a ``.mdlus`` file, on the CPU, loaded without running any code.
 
     ``model.pt`` goes through ``torch.load(weights_only=True)``, whose unpickler only builds tensors and
@@ -332,7 +332,7 @@ def _referenced_globals(data: bytes) -> list[str]:
     return names
 
 
-def _seekable(raw: BinaryIO | bytes) -> BinaryIO:
+def _seekable(raw: ReadStream | bytes) -> ReadStream:
     """``raw`` as a seekable stream (bytes and unseekable streams are read into memory)."""
     if isinstance(raw, (bytes, bytearray, memoryview)):
         return io.BytesIO(raw)
@@ -341,7 +341,7 @@ def _seekable(raw: BinaryIO | bytes) -> BinaryIO:
     return raw
 
 
-def _load_json(stream: BinaryIO, name: str) -> dict[str, Any]:
+def _load_json(stream: ReadStream, name: str) -> dict[str, Any]:
     text = _open_member(stream, name).read()
     try:
         value = json.loads(text.decode("utf-8"))
@@ -352,7 +352,7 @@ def _load_json(stream: BinaryIO, name: str) -> dict[str, Any]:
     return value
 
 
-def _open_member(stream: BinaryIO, name: str) -> BinaryIO:
+def _open_member(stream: ReadStream, name: str) -> BinaryIO:
     """Member ``name`` of a tar (tried first) or zip archive, as a readable stream."""
     member = _open_tar_member(stream, name)
     if member is None:
@@ -365,17 +365,17 @@ def _open_member(stream: BinaryIO, name: str) -> BinaryIO:
     return member
 
 
-def _open_tar_member(stream: BinaryIO, name: str) -> BinaryIO | None:
+def _open_tar_member(stream: ReadStream, name: str) -> BinaryIO | None:
     stream.seek(0)
     try:
-        tar = tarfile.open(fileobj=stream, mode="r:*")
+        tar = tarfile.open(fileobj=cast(IO[bytes], stream), mode="r:*")  # the stub asks for write() even to read
         info = next((m for m in tar.getmembers() if _member_name(m.name) == name and m.isfile()), None)
         return tar.extractfile(info) if info is not None else None  # type: ignore[return-value]
     except (tarfile.TarError, EOFError, OSError):
         return None
 
 
-def _open_zip_member(stream: BinaryIO, name: str) -> BinaryIO | None:
+def _open_zip_member(stream: ReadStream, name: str) -> BinaryIO | None:
     stream.seek(0)
     try:
         zf = zipfile.ZipFile(stream)

@@ -34,14 +34,14 @@ import sys
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import torch
 
 from . import commit, layout
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .storage import Store
-from .streams import SeekableReader
+from .streams import ReadStream, SeekableReader
 
 __all__ = ["CheckpointFile", "TensorInfo", "load_tensor", "load_tensors", "open_file", "split_key"]
 
@@ -79,11 +79,11 @@ class CheckpointFile:
         CorruptCheckpointError: not a zip-format ``.pt``/``.mdlus`` (or a damaged one).
     """
 
-    def __init__(self, raw: BinaryIO, *, codec: str = "none", fmt: str = "pt", where: str = "checkpoint file") -> None:
+    def __init__(self, raw: ReadStream, *, codec: str = "none", fmt: str = "pt", where: str = "checkpoint file") -> None:
         self.where = where
         self._raw = raw
         self._streams: list[Any] = [raw]
-        stream: BinaryIO = raw
+        stream: ReadStream = raw
         if codec not in ("none", "", None):
             from .compress import get_codec
 
@@ -151,7 +151,7 @@ class CheckpointFile:
         self.close()
 
     # -- internals ----------------------------------------------------------------------------------
-    def _model_pt_of_mdlus(self, stream: BinaryIO) -> BinaryIO:
+    def _model_pt_of_mdlus(self, stream: ReadStream) -> ReadStream:
         """``model.pt`` of a ``.mdlus``: a window on the outer stream when the member is stored (the
         format's norm), else whatever PhysicsNeMo's reading order (tar, then zip) gives."""
         try:
@@ -165,7 +165,7 @@ class CheckpointFile:
             if sig != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{self.where}: bad zip local header for {_MDLUS_MODEL_MEMBER}")
             start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            return _Window(stream, start, info.file_size)  # type: ignore[return-value]
+            return _Window(stream, start, info.file_size)
         from .mdlus import open_mdlus_model_pt
 
         stream.seek(0)
@@ -204,7 +204,7 @@ class CheckpointFile:
             return torch.storage.TypedStorage(wrap_storage=meta, dtype=dtype, _internal=True)
 
         unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-        unpickler.persistent_load = persistent_load  # type: ignore[attr-defined]
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # torch types the hook as a method
         try:
             return unpickler.load()
         except pickle.UnpicklingError as exc:
@@ -390,7 +390,7 @@ def _open_in_store(store: Store, rel: str, codec: str, fmt: str, where: str) -> 
         raise
 
 
-def _open_ranged(store: Store, rel: str) -> BinaryIO:
+def _open_ranged(store: Store, rel: str) -> IO[bytes]:
     """A seekable file for ranged reads: plain on local disk, small read-ahead blocks elsewhere."""
     if store.is_local:
         return store.open_read(rel)
@@ -436,7 +436,7 @@ def _is_ordered_dict(obj: Any) -> bool:
     return type(obj) is OrderedDict
 
 
-def _open_zip(stream: BinaryIO, where: str) -> zipfile.ZipFile:
+def _open_zip(stream: ReadStream, where: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(stream)
     except (zipfile.BadZipFile, EOFError, OSError, struct.error) as exc:
@@ -453,14 +453,14 @@ def _archive_prefix(zf: zipfile.ZipFile, where: str) -> str:
     raise CorruptCheckpointError(f"{where} has no data.pkl record; it is not a torch.save file")
 
 
-def _looks_like_tar(stream: BinaryIO) -> bool:
+def _looks_like_tar(stream: ReadStream) -> bool:
     """A tar that is also a zip: PhysicsNeMo reads it as tar first, so must we."""
     stream.seek(257)
     magic = stream.read(5)
     return magic == b"ustar"
 
 
-def _read_exact(stream: BinaryIO, n: int, where: str) -> bytes:
+def _read_exact(stream: ReadStream, n: int, where: str) -> bytes:
     data = stream.read(n)
     if data is None or len(data) != n:
         raise CorruptCheckpointError(f"{where}: unexpected end of file")
@@ -470,7 +470,7 @@ def _read_exact(stream: BinaryIO, n: int, where: str) -> bytes:
 class _Window(SeekableReader):
     """Read-only, seekable view of bytes ``[start, start + length)`` of a seekable stream."""
 
-    def __init__(self, raw: BinaryIO, start: int, length: int) -> None:
+    def __init__(self, raw: ReadStream, start: int, length: int) -> None:
         super().__init__()
         self._raw, self._start, self._length, self._pos = raw, start, length, 0
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from . import layout
-from .streams import byte_view
+from .streams import ReadStream, byte_view
 from .checksum import ChecksumReader
 from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
@@ -42,7 +42,7 @@ def read_verified(store: Store, step_dir: str, entry: FileEntry) -> bytes:
     return data
 
 
-def decode(codec_name: str, data: bytes, where: str) -> bytes:
+def decode(codec_name: str, data: bytes, where: str) -> bytes | bytearray:
     if codec_name in ("none", "", None):
         return data
     from .compress import decode_bytes
@@ -55,7 +55,7 @@ def decode(codec_name: str, data: bytes, where: str) -> bytes:
         raise CorruptCheckpointError(f"{where} could not be decompressed with codec {codec_name!r}: {exc}") from exc
 
 
-def load_native(data: bytes | io.BufferedIOBase, fmt: str, where: str) -> Any:
+def load_native(data: bytes | bytearray | ReadStream, fmt: str, where: str) -> Any:
     """A native ``.pt`` or ``.mdlus`` file's content, with CPU tensors and no code execution."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if fmt == "mdlus":

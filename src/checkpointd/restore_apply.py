@@ -26,6 +26,7 @@ change only once every entry has been planned, so an entry that cannot be planne
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Mapping, TypeGuard
 
@@ -67,7 +68,7 @@ def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
         except _NotPlain as why:
             logger.debug("state[%r]: per-entry restore (%s)", e.name, why)
             step = None
-        finish.append(step if step is not None else (lambda e=e, v=value: apply_entry(e, v)))
+        finish.append(step if step is not None else functools.partial(apply_entry, e, value))
     bulkcopy.copy_pairs(list(pairs.values()), strategy)
     for fn in finish:
         fn()
@@ -96,7 +97,7 @@ def _plain_tensor(t: Any) -> TypeGuard[torch.Tensor]:
 # -- modules ----------------------------------------------------------------------------------------
 
 def _plain_loaders() -> tuple[Any, ...]:
-    out = [nn.Module._load_from_state_dict]
+    out: list[Any] = [nn.Module._load_from_state_dict]
     try:
         from torch.nn.modules.batchnorm import _NormBase
 

@@ -24,7 +24,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
 __all__ = ["NO_RETRY", "RetryPolicy", "is_transient"]
@@ -227,7 +227,7 @@ class RetryPolicy:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _attempts(self, describe: str) -> Iterator[Any]:
+    def _attempts(self, describe: str) -> Generator[float, Exception | None, None]:
         """Yields once per attempt; ``send(exc)`` returns the sleep before the next or raises ``exc``.
 
         A small state machine shared by the sync and async loops, so both decide identically.

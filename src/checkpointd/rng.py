@@ -7,7 +7,7 @@ In a distributed run each rank stores its own; see ``restore_rng`` for world-siz
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,8 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if _np is not None:
-        kind, keys, pos, has_gauss, cached = _np.random.get_state(legacy=True)  # type: ignore[misc]
+        legacy = cast("tuple[str, _np.ndarray, int, int, float]", _np.random.get_state(legacy=True))
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [str(kind), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]

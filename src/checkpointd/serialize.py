@@ -98,7 +98,8 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
             key = storage_key(untyped)
             if o.dtype in _V3_DTYPES:
                 ref = _StorageRef(("storage", torch.UntypedStorage, key, "cpu", untyped.nbytes()))
-                args = (ref, o.storage_offset(), tuple(o.size()), o.stride(), o.requires_grad, OrderedDict(), o.dtype)
+                args: tuple[Any, ...] = (ref, o.storage_offset(), tuple(o.size()), o.stride(), o.requires_grad,
+                                         OrderedDict(), o.dtype)
                 return torch._utils._rebuild_tensor_v3, args
             storage_type = getattr(torch, _STORAGE_TYPE_NAMES[o.dtype])
             ref = _StorageRef(("storage", storage_type, key, "cpu", untyped.nbytes() // o.element_size()))

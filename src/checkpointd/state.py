@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 
@@ -81,7 +81,7 @@ def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
         elif type(module).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
             getattr(module, "module", None), torch.nn.Module
         ):
-            module = module.module
+            module = cast(torch.nn.Module, module.module)
         else:
             break
     return module
@@ -91,7 +91,7 @@ def user_class_name(module: torch.nn.Module) -> str:
     """The class name a user recognises: FSDP1 wrappers peeled, FSDP2's synthetic ``FSDP<Name>`` undone."""
     module = unwrap_module(module)
     if type(module).__name__ == "FullyShardedDataParallel" and isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = unwrap_module(module.module)
+        module = unwrap_module(cast(torch.nn.Module, module.module))
     cls = type(module)
     name = cls.__name__
     if name.startswith("FSDP") and any(base.__name__ == name[4:] for base in cls.__mro__[1:]):

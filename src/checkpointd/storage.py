@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 from collections.abc import Callable
+from types import TracebackType
 from typing import IO, Any, Protocol, TypeVar
 
 from fsspec import AbstractFileSystem
@@ -77,7 +78,9 @@ class WriteFile(Protocol):
     def abort(self) -> None: ...
     def discard(self) -> None: ...
     def __enter__(self) -> WriteFile: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None, /
+    ) -> None: ...
 
 
 class Store:

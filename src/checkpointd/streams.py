@@ -7,9 +7,27 @@ byte ranges. These adapters are the only glue between the two, so each exists on
 from __future__ import annotations
 
 import io
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
 
 import torch
+
+
+class ReadStream(Protocol):
+    """What the readers take: a readable, seekable binary stream.
+
+    Files (``IO[bytes]``, ``io.BytesIO``) and the :class:`SeekableReader` adapters below all qualify.
+    """
+
+    def read(self, size: int = -1, /) -> bytes: ...
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+    def tell(self) -> int: ...
+    def seekable(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> ReadStream: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None, /
+    ) -> None: ...
 
 
 class WriteOnlyStream(io.RawIOBase):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -283,7 +283,7 @@ def copy_into(live: torch.Tensor, stored: Any, where: str) -> None:
         raise StateMismatchError(f"{where}: live shape {tuple(live.shape)}, saved {shape}")
     if is_dtensor(live):
         offsets, lshape = local_region(live)
-        target = live.to_local()
+        target: torch.Tensor = cast(Any, live).to_local()  # a DTensor, checked by is_dtensor
         if tuple(target.shape) != lshape:  # padded local tensors: copy into the logical block only
             target = target[tuple(slice(0, s) for s in lshape)]
     else:
