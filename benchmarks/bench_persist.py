@@ -86,6 +86,18 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_b
                     times.append(dt)
                     shutil.rmtree(d, ignore_errors=True)
                 add({"method": f"raw 1 file x {thr} thr (mmap)", "kind": "raw", "times_s": times})
+        # the checkpoint's own files (model, optimizer) side by side, one thread each: what a save of
+        # this state can reach when each file is written at the speed one file allows
+        n_model = sum(1 for _ in model.parameters())
+        like = [list(range(n_model)), list(range(n_model, len(views)))]
+        times = []
+        for _ in range(args.repeat):
+            d = os.path.join(root, "raw")
+            C.clean_dir(d)
+            dt, _ = C.raw_write(d, views, nfiles=2, threads=2, groups=like)
+            times.append(dt)
+            shutil.rmtree(d, ignore_errors=True)
+        add({"method": "raw model + optim files x 1 thr each", "kind": "raw", "times_s": times})
     if "torch_save" in args.methods:
         times = []
         for _ in range(args.repeat):

@@ -542,16 +542,17 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
 
 
 def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: int,
-              mmap_mode: bool = False) -> tuple[float, list[tuple[str, list[int]]]]:
+              mmap_mode: bool = False, groups: list[list[int]] | None = None) -> tuple[float, list[tuple[str, list[int]]]]:
     """Write ``views`` into ``nfiles`` files with ``threads`` threads (64 MiB pwrite chunks), fsync each.
 
     ``mmap_mode``: instead of pwrite, ``posix_fallocate`` each file, map it and copy the chunks into the
-    mapping from the threads (what checkpointd's writer does on tmpfs).
+    mapping from the threads (what checkpointd's writer does on tmpfs). ``groups``: which views go into
+    which file (default: ``nfiles`` files of about equal size).
     Returns the wall time from the first open to the last fsync, and [(file, view indices)] in file order.
     """
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
     os.makedirs(root, exist_ok=True)
-    groups = split_groups([len(v) for v in views], nfiles)
+    groups = groups if groups is not None else split_groups([len(v) for v in views], nfiles)
     files = [(os.path.join(root, f"raw{k:03d}.bin"), g) for k, g in enumerate(groups)]
     tasks = []  # (file index, view, offset)
     for fi, (_, g) in enumerate(files):
