@@ -1,0 +1,70 @@
+"""The benchmark scripts run end to end in their CPU smoke modes and write the JSON they promise.
+
+The numbers themselves count only on a GPU (``benchmarks/RESULTS.md``); these tests keep the scripts
+that someone else reruns on a GPU host from breaking unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.timeout(300)
+def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "stall.json"
+    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", "none,checkpointd,torch_save,none",
+                "--dir", str(tmp_path / "ckd"), "--json", str(out))
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    ckd = runs["checkpointd"]
+    assert "error" not in ckd, ckd.get("error")
+    assert len(ckd["stall_ms"]) >= 3 and len(ckd["stall_by_step_ms"]) == 4
+    assert ckd["stats"]["saves_committed"] == len(ckd["saves"]) >= 3
+    assert len(runs["torch_save"]["stall_ms"]) >= 3
+    assert "save/+1/+2/rest" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "persist.json"
+    _run("bench_persist.py", "--cpu", "--tiny", "--repeat", "1", "--raw-threads", "1,2", "--dirs",
+         str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd", "--json", str(out))
+    data = json.loads(out.read_text())
+    rows = [r for d in data["dirs"] for r in d.get("rows", [])]
+    methods = {r["method"] for r in rows}
+    assert {"checkpointd", "torch_save (+fsync)", "raw model + optim files x 1 thr each"} <= methods, methods
+    assert all(r.get("times_s") for r in rows if r["method"] == "checkpointd")
+
+    out = tmp_path / "restore.json"
+    _run("bench_restore.py", "--cpu", "--tiny", "--repeat", "1", "--dirs", str(tmp_path / "r"), "--json", str(out))
+    text = out.read_text()
+    assert "checkpointd" in text and "torch_load" in text
+
+
+@pytest.mark.timeout(300)
+def test_bench_compression_small_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "compression.json"
+    _run("bench_compression.py", "--small", "--repeat", "1", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    planes = {r["input"]: r for r in rows if r["method"] == "zstd-planes"}
+    plain = {r["input"]: r for r in rows if r["method"] == "zstd"}
+    assert "randn*0.02 bf16" in planes and planes["randn*0.02 bf16"]["ratio"] > plain["randn*0.02 bf16"]["ratio"] > 1.0
+    assert all(r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 for r in rows)
