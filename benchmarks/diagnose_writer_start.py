@@ -36,50 +36,46 @@ def _gc_cb(phase, info):
     ev(f"gc.{phase} gen{info.get('generation')} coll={info.get('collected')}")
 
 
+def _wrap(owner, name, label, on_start=None):
+    """Replace ``owner.name`` by a wrapper that logs ``label.start`` / ``label.end`` around each call."""
+    inner = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        ev(f"{label}.start")
+        if on_start is not None:
+            on_start()
+        try:
+            return inner(*a, **k)
+        finally:
+            ev(f"{label}.end")
+    setattr(owner, name, wrapper)
+
+
+_INSTRUMENTED = []
+
+
 def instrument():
+    """Log the writer's phases, the first and every 128th write task of each file, and every collection."""
+    if _INSTRUMENTED:
+        return
+    _INSTRUMENTED.append(True)
     import gc
-    if _gc_cb not in gc.callbacks:
-        gc.callbacks.append(_gc_cb)
+    gc.callbacks.append(_gc_cb)
     import checkpointd.ptlayout as PL
     import checkpointd.writer as W
 
-    op = W.BackgroundWriter._process
-
-    def _process(self, job):
-        ev("process.start")
-        try:
-            return op(self, job)
-        finally:
-            ev("process.end")
-    W.BackgroundWriter._process = _process
-    ow = W.BackgroundWriter.write_files
-
-    def write_files(self, job):
-        ev("write_files.start")
-        try:
-            return ow(self, job)
-        finally:
-            ev("write_files.end")
-    W.BackgroundWriter.write_files = write_files
-    opt_ = PL._put_task
-    state = {"n": 0}
+    _wrap(W.BackgroundWriter, "_process", "process")
+    _wrap(W.BackgroundWriter, "write_files", "write_files")
+    puts = {"n": 0}
+    inner_put = PL._put_task
 
     def _put_task(put, work):
-        state["n"] += 1
-        if state["n"] <= 2 or state["n"] % 128 == 0:
-            ev(f"put#{state['n']}")
-        return opt_(put, work)
+        puts["n"] += 1
+        if puts["n"] <= 2 or puts["n"] % 128 == 0:
+            ev(f"put#{puts['n']}")
+        return inner_put(put, work)
     PL._put_task = _put_task
-    owi = PL.write_image
-
-    def write_image(*a, **k):
-        ev("write_image.start")
-        state["n"] = 0
-        try:
-            return owi(*a, **k)
-        finally:
-            ev("write_image.end")
-    PL.write_image = write_image
+    _wrap(PL, "write_image", "write_image", on_start=lambda: puts.update(n=0))
 
 
 def bg_pwrite(buf: torch.Tensor, threads: int, files: int, root: str, nice: int):
@@ -219,8 +215,7 @@ def main():
                 buf.fill_(7)
             if kind == "ckd":
                 import checkpointd as ckd
-                if not EV:
-                    instrument()
+                instrument()
                 EV.clear()
                 C.clean_dir(a.dir)
                 mgr = ckd.CheckpointManager(a.dir, {"model": model, "optim": opt}, every_n_steps=1000, keep_last=1, compression=None)
