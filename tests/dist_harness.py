@@ -150,6 +150,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
 # -- helpers the distributed scenarios share (run inside the ranks) ------------------------------------
 
 
+def fsdp2_with_adamw(model_cls: Callable[[], Any], seed: int) -> tuple[Any, Any]:
+    """``model_cls()`` seeded with ``seed`` on this rank's device, its ``a`` submodule and then the whole
+    model wrapped with FSDP2 (``fully_shard``), and an AdamW over it."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = model_cls().to(device())
+    fully_shard(model.a)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+
+
 def train_same_batches(model: Any, opt: Any, steps: int, *, seed: int, features: int) -> None:
     """``steps`` optimizer steps on batches drawn from ``seed``: the same batches on every rank."""
     import torch

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dist_harness import assert_same_state, device, gathered_state, run_distributed, train_same_batches
+from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 
 import checkpointd
 from checkpointd import CheckpointManager
@@ -33,18 +33,8 @@ class Even(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = Even().to(device())
-    fully_shard(model.a)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-
-
 def save_at_4(rank: int, world: int, root: str) -> Any:
-    model, opt = _fsdp2(seed=0)
+    model, opt = fsdp2_with_adamw(Even, seed=0)
     train_same_batches(model, opt, 2, seed=11, features=6)
     for _, p in model.named_parameters():
         assert [type(pl).__name__ for pl in p.placements] == ["Shard"] and p.placements[0].dim == 0
@@ -58,7 +48,7 @@ def restore_counting_reads(rank: int, world: int, root: str) -> Any:
     """Restore twice: into a fresh optimizer (no state yet), then into one that has state; log shard reads."""
     from checkpointd.testing.faults import Fault, FaultPlan
 
-    model, opt = _fsdp2(seed=5)  # different init: everything must come from the checkpoint
+    model, opt = fsdp2_with_adamw(Even, seed=5)  # different init: everything must come from the checkpoint
     out: dict[str, Any] = {"reads": [], "full": []}
     plan = FaultPlan(Fault(op="read", path=lambda p: "/shards/" in p, error=None))
     with CheckpointManager(f"faulty://{root}", {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30,
@@ -79,7 +69,7 @@ def restore_expecting_corruption(rank: int, world: int, root: str) -> Any:
     """Only rank 1 reads the damaged file; every rank must refuse, and nothing may be applied anywhere."""
     from checkpointd.errors import CorruptCheckpointError
 
-    model, opt = _fsdp2(seed=5)
+    model, opt = fsdp2_with_adamw(Even, seed=5)
     train_same_batches(model, opt, 1, seed=3, features=6)
     before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     error = ""

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_harness import assert_same_state, device, gathered_state, run_distributed, train_same_batches
+from dist_harness import assert_same_state, device, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 
 import checkpointd
 from checkpointd import CheckpointManager
@@ -35,16 +35,6 @@ class Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = Net().to(device())
-    fully_shard(model.a)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-
-
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert_same_state(got, want)
     assert [g["lr"] for g in got["groups"]] == [g["lr"] for g in want["groups"]]
@@ -52,7 +42,7 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 # -- scenarios run on every rank ---------------------------------------------------------------------
 def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
-    model, opt = _fsdp2(seed=0)
+    model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
     torch.manual_seed(1000 + rank)  # per-rank RNG to find back
     with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, every_n_steps=1, dist_timeout_secs=30) as mgr:
@@ -67,14 +57,14 @@ def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
 
 def saved_reference(rank: int, world: int) -> Any:
     """What the saved state must gather to: the same training without checkpointing."""
-    model, opt = _fsdp2(seed=0)
+    model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
     full = gathered_state(model, opt)  # collective: every rank
     return full if rank == 0 else None
 
 
 def restore_fsdp2(rank: int, world: int, root: str) -> Any:
-    model, opt = _fsdp2(seed=5)  # different init: everything must come from the checkpoint
+    model, opt = fsdp2_with_adamw(Net, seed=5)  # different init: everything must come from the checkpoint
     torch.manual_seed(99)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,7 +153,7 @@ def test_sharded_checkpoint_loads_whole(sharded_at_2: tuple[str, list[Any]], ref
 
 # -- full mode and cross-mode -------------------------------------------------------------------------
 def full_save_then_restore(rank: int, world: int, root: str) -> Any:
-    model, opt = _fsdp2(seed=0)
+    model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, dist_timeout_secs=30) as mgr:
         mgr.save(2)
@@ -172,7 +162,7 @@ def full_save_then_restore(rank: int, world: int, root: str) -> Any:
 
 
 def restore_full_or_single(rank: int, world: int, root: str) -> Any:
-    model, opt = _fsdp2(seed=9)
+    model, opt = fsdp2_with_adamw(Net, seed=9)
     with CheckpointManager(root, {"model": model, "optim": opt}, dist_timeout_secs=30) as mgr:
         step = mgr.restore_latest()
     full = gathered_state(model, opt)  # collective: every rank

@@ -27,6 +27,7 @@ from checkpointd import chunkstream, snapshot
 from checkpointd.chunkstream import ChunkRing, ChunkStream, CpuCopier, plan_chunks, ring_geometry
 from checkpointd.errors import ConfigError
 from checkpointd.testing.faults import Fault, FaultPlan
+from tree_compare import assert_tree_equal
 from fake_physicsnemo import FakePNModule
 
 MiB = 1 << 20
@@ -74,23 +75,6 @@ def _files(root: str, fs: Any = None) -> dict[str, bytes]:
             if ".pt" in name or ".mdlus" in name:
                 out["step-" + path.split("/step-", 1)[1]] = fs.cat_file(path)
     return out
-
-
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def _save_once(root: str, budget: int | None, compression: str | None, **kw: Any) -> CheckpointManager:
@@ -218,7 +202,7 @@ def test_files_match_the_unbudgeted_save(tmp_path, monkeypatch, stream_cpu, comp
     if compression is None:
         for name in ref:
             assert hashlib.sha256(ref[name]).digest() == hashlib.sha256(got[name]).digest(), name
-    _assert_same(load(ref_root, storage_options=None), load(budget_root))
+    assert_tree_equal(load(ref_root, storage_options=None), load(budget_root))
     for name, data in got.items():
         if name.endswith(".pt"):
             torch.load(io.BytesIO(data), weights_only=True)  # uncompressed files load natively
@@ -277,8 +261,8 @@ def test_optimizer_step_waits_until_everything_is_copied(tmp_path, stream_cpu):
     assert mgr.stats()["staging_hook_wait_secs"] >= 0.1
     mgr.wait()
     saved = load(f"{tmp_path}/ckpt", step=3)
-    _assert_same(saved["model"], expected)
-    _assert_same(saved["opt"]["state"], expected_opt)
+    assert_tree_equal(saved["model"], expected)
+    assert_tree_equal(saved["opt"]["state"], expected_opt)
     assert not torch.equal(model[0].weight, expected["0.weight"])  # training did go on
     mgr.close()
 
@@ -304,7 +288,7 @@ def test_consecutive_saves_reuse_the_ring_and_hold_their_own_values(tmp_path, st
     mgr.wait()
     assert mgr.stats()["staging_allocations"] == allocations and mgr._snap._ring is ring
     for step, values in snaps.items():
-        _assert_same(load(tmp_path, step=step)["model"], values)
+        assert_tree_equal(load(tmp_path, step=step)["model"], values)
     mgr.close()
 
 
@@ -327,7 +311,7 @@ def test_write_failure_fails_the_save_without_hanging_training(tmp_path, stream_
     mgr.save(2)  # the ring was reset: the next save works
     mgr.wait()
     assert mgr.steps() == [2]
-    _assert_same(load(f"{tmp_path}/ckpt")["model"], {k: v for k, v in model.state_dict().items()})
+    assert_tree_equal(load(f"{tmp_path}/ckpt")["model"], {k: v for k, v in model.state_dict().items()})
     mgr.close()
 
 

@@ -16,10 +16,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from tree_compare import assert_tree_equal
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS, STOP_AFTER, EVERY = 8, 5, 2
@@ -78,25 +78,6 @@ def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return outs
 
 
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-        assert a.stride() == b.stride(), f"{where}: stride {a.stride()} != {b.stride()}"
-        assert torch.equal(a, b), f"{where}: values differ (max abs diff {(a.double() - b.double()).abs().max()})"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a, key=str)} != {sorted(b, key=str)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} != {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
 def test_resume_is_bit_exact(resume_runs: dict[str, Path], variant: tuple[str, str, str]) -> None:
     opt = variant[0]
@@ -106,9 +87,9 @@ def test_resume_is_bit_exact(resume_runs: dict[str, Path], variant: tuple[str, s
     assert len(got["losses"]) == STEPS - LAST_SAVED
     assert got["losses"] == ref["losses"][LAST_SAVED:]
     for key in ("model", "param_strides", "opt", "sched", "scaler", "next_draws"):
-        _assert_same(ref[key], got[key], key)
+        assert_tree_equal(ref[key], got[key], key)
     # Optimizer state the optimizer actually computes with keeps the parameters' layout.
-    _assert_same(ref["opt_live_strides"], got["opt_live_strides"], "opt_live_strides")
+    assert_tree_equal(ref["opt_live_strides"], got["opt_live_strides"], "opt_live_strides")
     conv_w = "0"  # the conv weight is the first parameter
     state_keys = [k for k in got["opt_live_strides"] if k.startswith(conv_w + ".") and k != "0.step"]
     assert state_keys, "the optimizer keeps per-parameter state for the conv weight"

@@ -14,6 +14,7 @@ import torch
 
 from checkpointd import CheckpointManager, load
 from checkpointd.testing.faults import Fault, FaultPlan
+from tree_compare import assert_tree_equal
 
 
 def _clone(obj):
@@ -24,23 +25,6 @@ def _clone(obj):
     if isinstance(obj, list):
         return [_clone(v) for v in obj]
     return copy.deepcopy(obj)
-
-
-def _assert_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _slow_root(tmp_path, delay=0.5):
@@ -95,7 +79,7 @@ def test_mutation_after_maybe_save_does_not_leak(tmp_path, compression):
     mgr.wait()
     mgr.close()
     got = load(tmp_path / "ckpt")
-    _assert_equal(expected, got)
+    assert_tree_equal(expected, got, strides=False)
 
 
 def test_consecutive_saves_each_hold_their_own_values(tmp_path):
