@@ -307,3 +307,50 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
             decoded = np.zeros(len(chunk), dtype=np.uint8)
             kernels.decode_chunk_into(memoryview(frame), decoded)
             assert decoded.tobytes() == bytes(chunk)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 1001, 70_001])
+def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
+    """Mode 2 (4-bit codes): odd counts, escapes (zeros, infs, huge values), and damage detected."""
+    import numpy as np
+
+    from checkpointd import compress_planes as kernels
+
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.02
+    values[::400] = 0.0
+    values[: min(numel, 3)] = torch.tensor([float("inf"), 1e30, -0.0])[: min(numel, 3)]
+    raw = values.view(torch.uint8).numpy().tobytes() + b"\x05"
+    planes = kernels._to_planes(memoryview(raw), 4)
+    base = max(0, int(np.bincount(planes[3], minlength=256).argmax()) - 7)
+    parts = kernels.encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
+    body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    mode = kernels._PLANE.unpack_from(body, kernels._CHUNK_HEADER.size + 3 * kernels._PLANE.size)[0]
+    assert mode == (2 if numel > 10_000 else mode)
+    frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    decoded = np.zeros(len(raw), dtype=np.uint8)
+    kernels.decode_chunk_into(memoryview(frame), decoded)
+    assert decoded.tobytes() == raw
+    broken = bytearray(frame)
+    broken[-len(parts[-2]) // 2 - 2] ^= 0x10  # inside the nibble plane's zstd frame
+    with pytest.raises(CorruptCheckpointError):
+        kernels.decode_chunk_into(memoryview(bytes(broken)), decoded)
+
+
+def test_planes_chunks_written_before_the_nibble_mode_still_decode() -> None:
+    """Old chunks: flags 1 (rotated, CRC of raw planes only), zstd planes with their own checksum."""
+    import numpy as np
+    import zstandard
+
+    from checkpointd import compress_planes as kernels
+
+    raw = (torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 0.02).view(torch.uint8).numpy().tobytes()
+    planes = kernels._to_planes(memoryview(raw), 4)
+    exponent = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(planes[3].tobytes())
+    stored = [planes[0].tobytes(), planes[1].tobytes(), planes[2].tobytes(), exponent]
+    crc = kernels.crc32(b"".join(stored[:3]))
+    table = b"".join(kernels._PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
+    body = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
+    frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    decoded = np.zeros(len(raw), dtype=np.uint8)
+    kernels.decode_chunk_into(memoryview(frame), decoded)
+    assert decoded.tobytes() == raw

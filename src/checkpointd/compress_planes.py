@@ -6,6 +6,11 @@ per-chunk ``bytes`` is allocated (allocating, faulting in and unmapping 4 MiB pe
 threads at once serializes in the kernel), and the caller's thread copies nothing. Temporaries that a
 chunk needs (compressed planes decoded, rotated elements) live in per-thread scratch arrays reused from
 chunk to chunk. The file format is described in :mod:`checkpointd.compress`.
+
+Costs per 4 MiB fp32 chunk on one dev-VM core (randn * 0.02): encode 1.9 ms (was 3.0: exponent plane
+nibble-packed before zstd, 1.3 -> 0.45 ms; entropy instead of trial compressions when sampling; no
+zstd checksums, the chunk CRC covers the stored bytes), decode 1.8 ms (was 2.2: packed exponent plane
+0.45 -> 0.3 ms; planes merged by the widen/OR tree in cache-sized blocks instead of strided columns).
 """
 
 from __future__ import annotations
@@ -23,16 +28,23 @@ from .errors import CorruptCheckpointError
 
 _SAMPLE_ELEMENTS = 16 << 10
 _SAMPLE_SLICES = 4
-_RANDOM_ENTROPY_BITS = 7.95
-"""A sample plane above this (uniform bytes measure ~7.99 on 16 Ki samples) is stored raw untried."""
+_RANDOM_ENTROPY_BITS = 7.86
+"""A sample plane above this is stored raw untried: zstd keeps Huffman-coded literals only when they save
+over 1/64 of the block (``ZSTD_minGain``), impossible above 7.875 bits a byte; 16 Ki samples read ~0.01 low."""
+_NIBBLE_COVERAGE = 0.995
+"""A compressible plane is nibble-packed when this share of its sample falls in one window of 15 values."""
 
 _FRAME_HEADER = struct.Struct("<II")  # skippable frame: magic, payload size
-_CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 of raw-stored bytes
+_CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 (see _FLAG_CRC_ALL)
 _PLANE = struct.Struct("<BxxxI")  # mode, stored size
+_NIBBLES = struct.Struct("<BxxxI")  # nibble-packed plane: base, escape count; then one zstd frame
 _SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 
 _KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
+_MODE_RAW, _MODE_ZSTD, _MODE_NIBBLES = 0, 1, 2
 _FLAG_ROTATED = 1
+_FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes then carry no checksum)
+_ESCAPE = 15
 _UINT_BY_ITEMSIZE: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT_BY_ITEMSIZE = {2: np.int16, 4: np.int32, 8: np.int64}
 _UINT_BY_WIDTH: dict[int, type[np.unsignedinteger[Any]]] = {1: np.uint8, **_UINT_BY_ITEMSIZE}
@@ -56,12 +68,13 @@ def _plane_compressor() -> zstd.ZstdCompressor:
 
     Exponent planes hold ~2.5 bits of entropy per byte spread evenly, so short LZ matches abound and
     cost more than they save; level 1 reaches 2.8x at 0.3 GB/s, these parameters 3.05x at 0.8 GB/s.
+    No frame checksum: the chunk's CRC-32 covers the stored bytes (``_FLAG_CRC_ALL``), 3x cheaper.
     """
     comp = getattr(_local, "plane_compressor", None)
     if comp is None:
         params = zstd.ZstdCompressionParameters(
             strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
-            min_match=7, target_length=0, write_checksum=True,
+            min_match=7, target_length=0, write_checksum=False,
         )  # fmt: skip
         comp = _local.plane_compressor = zstd.ZstdCompressor(compression_params=params)
     return comp
@@ -122,68 +135,121 @@ def _to_planes(view: Any, itemsize: int) -> np.ndarray:
     contiguous shift into per-thread scratch, one SIMD narrowing copy); plane 0 is ``x`` truncated,
     doubled, with the sign bit added. Every pass is contiguous, about 2-3x faster than the strided byte
     copies of a transpose. (NumPy's ``uint8`` left shift is scalar code; multiplying by 2 is not.)
+    Blocks of ``_MERGE_BLOCK`` elements keep the shift scratch in cache.
     """
     count = memoryview(view).nbytes // itemsize
-    elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=count)
+    all_elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=count)
     planes = np.empty((itemsize, count), dtype=np.uint8)
-    shifted = _scratch("shifted", count * itemsize).view(elems.dtype)
-    for j in range(1, itemsize):
-        np.right_shift(elems, 8 * j - 1, out=shifted)
-        np.copyto(planes[j], shifted, casting="unsafe")
-    low = planes[0]
-    np.copyto(low, elems, casting="unsafe")
-    np.multiply(low, 2, out=low)
-    sign = _scratch("sign", count)
-    np.less(elems.view(_INT_BY_ITEMSIZE[itemsize]), 0, out=sign.view(np.bool_))
-    low |= sign
+    for start in range(0, count, _MERGE_BLOCK):
+        stop = min(count, start + _MERGE_BLOCK)
+        elems = all_elems[start:stop]
+        shifted = _scratch("shifted", (stop - start) * itemsize).view(elems.dtype)
+        for j in range(1, itemsize):
+            np.right_shift(elems, 8 * j - 1, out=shifted)
+            np.copyto(planes[j, start:stop], shifted, casting="unsafe")
+        low = planes[0, start:stop]
+        np.copyto(low, elems, casting="unsafe")
+        np.multiply(low, 2, out=low)
+        sign = _scratch("sign", stop - start)
+        np.less(elems.view(_INT_BY_ITEMSIZE[itemsize]), 0, out=sign.view(np.bool_))
+        low |= sign
     return planes
 
 
-def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | None:
+def choose_planes(view: memoryview, itemsize: int, level: int) -> tuple[list[bool], list[int | None]] | None:
     """Judge a sample of elements from a few places across the chunk (tensors are not uniform).
 
     Returns ``None`` if plain zstd beats planes (zeros, integer-valued floats), else which planes are
-    worth a zstd attempt: all but those whose byte entropy looks uniform. Entropy, not a trial
-    compression, decides that: on a small sample zstd's table overhead hides the 2-9% that skewed
-    mantissa planes gain on a whole chunk.
+    worth a zstd attempt (all but those whose byte entropy looks uniform) and, for each, the base of a
+    nibble window if it is to be packed (see :func:`_pack_nibbles`). Entropy, not a trial compression,
+    sizes the planes: on a small sample zstd's table overhead hides the 2-9% that skewed mantissa
+    planes gain on a whole chunk, and the trial would cost more than the histogram.
     """
     count = view.nbytes // itemsize
     if count < _SAMPLE_ELEMENTS:
-        return [True] * itemsize
+        return [True] * itemsize, [None] * itemsize
     per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
     starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
     sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
-    planes = _to_planes(sample, itemsize)
-    worth = [_entropy_bits(p) < _RANDOM_ENTROPY_BITS for p in planes]
-    packed = sum(len(_plane_compressor().compress(p)) if w else p.nbytes for p, w in zip(planes, worth))
-    if len(compressor(level).compress(sample)) < 0.95 * packed:
+    worth, bases, estimate = [], [], 0.0
+    for plane in _to_planes(sample, itemsize):
+        counts = np.bincount(plane, minlength=256)
+        bits = _entropy_bits(counts)
+        worth.append(bits < _RANDOM_ENTROPY_BITS)
+        estimate += plane.size * (bits / 8 if worth[-1] else 1)
+        window = np.convolve(counts, np.ones(_ESCAPE, dtype=np.int64), mode="valid")  # window[b]: values b..b+14
+        base = int(window.argmax())
+        bases.append(base if worth[-1] and window[base] >= _NIBBLE_COVERAGE * plane.size else None)
+    if len(compressor(level).compress(sample)) < 0.95 * estimate:
         return None
-    return worth
+    return worth, bases
 
 
-def _entropy_bits(plane: np.ndarray) -> float:
-    """Shannon entropy of the byte histogram, in bits per byte."""
-    counts = np.bincount(plane, minlength=256)
-    freq = counts[counts > 0] / plane.size
+def _entropy_bits(counts: np.ndarray) -> float:
+    """Shannon entropy of a byte histogram, in bits per byte."""
+    freq = counts[counts > 0] / counts.sum()
     return float(-(freq * np.log2(freq)).sum())
 
 
-def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[Any]:
+def _true_positions(mask: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero(mask)`` for a sparse bool array, ~4x faster: nonzero 8-byte words first."""
+    whole = mask.size // 8 * 8
+    words = mask[:whole].view(np.uint64)
+    hit = _scratch("hit", words.size).view(np.bool_)
+    np.not_equal(words, 0, out=hit)
+    candidates = (np.flatnonzero(hit)[:, None] * 8 + np.arange(8)).ravel()
+    found = candidates[mask[candidates]]
+    return np.concatenate([found, whole + np.flatnonzero(mask[whole:])]) if whole < mask.size else found
+
+
+def _pack_nibbles(plane: np.ndarray, base: int) -> list[Any] | None:
+    """A plane as 4-bit codes ``value - base`` (15: escape), two a byte, zstd-compressed with the escapes.
+
+    Exponent planes hold ~2.5 bits a byte, nearly all in 15 consecutive values: packing halves the
+    symbols zstd's Huffman stage codes, so the plane compresses 2.9x faster and decodes 1.7x faster,
+    0.5% smaller. Code ``k`` sits in the high nibble of byte ``k`` for ``k < h = ceil(n / 2)``, code
+    ``h + k`` in its low nibble; the escaped values follow the ``h`` bytes, in element order. ``None``
+    if more than 1/128 of the plane escapes: finding escapes when decoding would cost more than it saves.
+    """
+    count, half = plane.size, (plane.size + 1) // 2
+    codes = _scratch("codes", 2 * half)
+    codes[count:] = 0
+    np.subtract(plane, np.uint8(base), out=codes[:count])
+    mask = _scratch("mask", count).view(np.bool_)
+    np.greater_equal(codes[:count], _ESCAPE, out=mask)
+    escapes = _true_positions(mask)
+    if escapes.size * 128 > count:
+        return None
+    codes[escapes] = _ESCAPE  # (NumPy's uint8 minimum is scalar code, 15x slower than this)
+    packed = _scratch("packed", half + escapes.size)
+    np.multiply(codes[:half], np.uint8(16), out=packed[:half])
+    packed[:half] |= codes[half:]
+    packed[half:] = plane[escapes]
+    return [_NIBBLES.pack(base, escapes.size), _plane_compressor().compress(packed)]
+
+
+def encode_planes(
+    view: memoryview, itemsize: int, worth: list[bool], bases: list[int | None] | None = None
+) -> list[Any]:
     """Chunk payload parts of kind planes: header, plane table, planes, native tail."""
     whole = view.nbytes // itemsize * itemsize
     planes = _to_planes(view[:whole], itemsize)
     table, blobs, crc = [], [], 0
-    for plane, compress in zip(planes, worth):
-        packed = _plane_compressor().compress(plane) if compress else None
-        if packed is not None and len(packed) < plane.nbytes:
-            table.append(_PLANE.pack(1, len(packed)))
-            blobs.append(packed)
-        else:
-            table.append(_PLANE.pack(0, plane.nbytes))
-            blobs.append(plane)
-            crc = crc32(plane, crc)
+    for plane, compress, base in zip(planes, worth, bases or [None] * itemsize):
+        parts = _pack_nibbles(plane, base) if base is not None else None
+        mode = _MODE_NIBBLES
+        if parts is None and compress:
+            parts, mode = [_plane_compressor().compress(plane)], _MODE_ZSTD
+        stored = sum(len(p) for p in parts) if parts is not None else plane.nbytes
+        if parts is None or stored >= plane.nbytes:
+            parts, mode, stored = [plane], _MODE_RAW, plane.nbytes
+        table.append(_PLANE.pack(mode, stored))
+        for part in parts:
+            crc = crc32(part, crc)
+        blobs += parts
     crc = crc32(view[whole:], crc)
-    header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, _FLAG_ROTATED, view.nbytes, crc) + b"".join(table)
+    flags = _FLAG_ROTATED | _FLAG_CRC_ALL
+    header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
     return [header, *blobs, view[whole:]]
 
 
@@ -191,9 +257,9 @@ def encode_chunk(view: memoryview, dtype: torch.dtype | None, level: int) -> lis
     """The skippable frame (as parts) of one planes-container chunk: planes, zstd or raw."""
     itemsize = plane_itemsize(dtype)
     parts: list[Any] | None = None
-    worth = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
-    if worth is not None:
-        parts = encode_planes(view, itemsize, worth)
+    choice = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
+    if choice is not None:
+        parts = encode_planes(view, itemsize, *choice)
     if parts is None:
         packed = compressor(level).compress(view)
         if len(packed) < view.nbytes:
@@ -231,45 +297,57 @@ def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
 
 
 def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, out: np.ndarray) -> None:
-    """Native bytes of a planes chunk into ``out``: planes interleaved into elements, then rotated back."""
+    """Native bytes of a planes chunk into ``out``: planes decoded into scratch, then merged into ``out``."""
     native_nbytes = out.nbytes
     count = native_nbytes // itemsize
     pos, actual_crc, planes = _PLANE.size * itemsize, 0, []
-    # 2-byte elements: planes kept and merged by _from_planes. 4/8-byte: each plane goes into its byte
-    # column as it arrives (measured: the merge tree's larger scratch footprint loses in the codec).
-    merge = itemsize == 2
-    columns = out[: count * itemsize].reshape(count, itemsize)
-    decoded = _scratch("planes", count * itemsize).reshape(itemsize, count) if merge else None
+    decoded = _scratch("planes", count * itemsize).reshape(itemsize, count)
     for i in range(itemsize):
         mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
         blob = body[pos : pos + stored]
         pos += stored
-        if mode == 1:
-            plane = decoded[i] if decoded is not None else _scratch("plane", count)  # not None iff merge
-            zstd_decompress_into(blob, plane)
-        elif mode == 0 and blob.nbytes == count:
+        if blob.nbytes != stored or (mode == _MODE_RAW and stored != count):
+            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {stored} bytes)")
+        if mode == _MODE_RAW or flags & _FLAG_CRC_ALL:
             actual_crc = crc32(blob, actual_crc)
-            plane = np.frombuffer(blob, dtype=np.uint8)
+        if mode == _MODE_RAW:
+            planes.append(np.frombuffer(blob, dtype=np.uint8))
+        elif mode == _MODE_ZSTD:
+            planes.append(decoded[i])
+            zstd_decompress_into(blob, decoded[i])
+        elif mode == _MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= _NIBBLES.size:
+            planes.append(decoded[i])
+            _unpack_nibbles(blob, decoded[i])
         else:
-            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {count} bytes)")
-        if merge:
-            planes.append(plane)
-        else:
-            columns[:, i] = plane  # one strided pass per plane
+            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} bytes)")
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
     _check_crc(crc32(tail, actual_crc), crc)
     copy_into(out[count * itemsize :], tail)
-    if merge and count:
+    if count:
         _from_planes(planes, out[: count * itemsize], rotated=bool(flags & _FLAG_ROTATED))
-    elif flags & _FLAG_ROTATED and count:
-        uint = _UINT_BY_ITEMSIZE[itemsize]
-        elems = out[: count * itemsize].view(uint)
-        low = _scratch("low", count * itemsize).view(uint)
-        np.right_shift(elems, 1, out=low)
-        elems <<= itemsize * 8 - 1
-        elems |= low
+
+
+def _unpack_nibbles(blob: memoryview, plane: np.ndarray) -> None:
+    """Inverse of :func:`_pack_nibbles`, into ``plane``."""
+    base, escaped = _NIBBLES.unpack_from(blob)
+    count, half = plane.size, (plane.size + 1) // 2
+    if escaped > count:
+        raise CorruptCheckpointError(f"nibble plane claims {escaped} escapes for {count} values")
+    packed = _scratch("packed", half + escaped)
+    zstd_decompress_into(blob[_NIBBLES.size :], packed)
+    np.right_shift(packed[:half], 4, out=plane[:half])
+    np.bitwise_and(packed[: count - half], 15, out=plane[half:])
+    if escaped:
+        mask = _scratch("mask", count).view(np.bool_)
+        np.equal(plane, _ESCAPE, out=mask)
+        where = _true_positions(mask)
+        if where.size != escaped:
+            raise CorruptCheckpointError(f"nibble plane has {where.size} escape codes, its header says {escaped}")
+    plane += np.uint8(base)
+    if escaped:
+        plane[where] = packed[half:]
 
 
 def _from_planes(planes: list[np.ndarray], out: np.ndarray, rotated: bool = True) -> None:
@@ -278,8 +356,20 @@ def _from_planes(planes: list[np.ndarray], out: np.ndarray, rotated: bool = True
     Byte interleaving is a tree of contiguous widen / multiply / OR passes: planes pair into 2-byte
     words, words into 4-byte words (``out`` itself for 2- and 4-byte elements). For 8-byte elements a
     third level costs more than it saves, so the 2-byte words go into ``out``'s columns by strided
-    copies. Much faster than one strided byte copy per plane.
+    copies. Much faster than one strided byte copy per plane. Runs in blocks of ``_MERGE_BLOCK``
+    elements so the tree's scratch stays in cache (a 4 MiB fp32 chunk in one block: 1.6 ms, in
+    blocks of 512 Ki: 1.0 ms).
     """
+    itemsize = len(planes)
+    for start in range(0, planes[0].shape[0], _MERGE_BLOCK):
+        stop = min(planes[0].shape[0], start + _MERGE_BLOCK)
+        _merge_block([p[start:stop] for p in planes], out[start * itemsize : stop * itemsize], rotated)
+
+
+_MERGE_BLOCK = 1 << 19
+
+
+def _merge_block(planes: list[np.ndarray], out: np.ndarray, rotated: bool) -> None:
     itemsize = len(planes)
     count = planes[0].shape[0]
     word = 2 if itemsize == 8 else itemsize  # bytes the tree merges; 8-byte elements: 4 strided columns
@@ -314,4 +404,4 @@ def _from_planes(planes: list[np.ndarray], out: np.ndarray, rotated: bool = True
 
 def _check_crc(actual: int, expected: int) -> None:
     if actual != expected:
-        raise CorruptCheckpointError(f"CRC-32 of raw-stored bytes is {actual:#010x}, the chunk says {expected:#010x}")
+        raise CorruptCheckpointError(f"CRC-32 of the stored bytes is {actual:#010x}, the chunk says {expected:#010x}")
