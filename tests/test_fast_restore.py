@@ -162,3 +162,75 @@ def test_unsafe_pickle_is_refused_through_the_fast_path(tmp_path) -> None:
         fastload.load_native_in_place(buf, "pt")
     with pytest.raises(UnsafeCheckpointError):
         restore.load_native(fastload.BufferReader(memoryview(buf.numpy())), "pt", "evil.pt")
+
+
+# -- the in-place loader's C unpickler for core globals ---------------------------------------------
+
+
+def _pt_bytes(obj) -> torch.Tensor:
+    bio = io.BytesIO()
+    torch.save(obj, bio)
+    return torch.frombuffer(bytearray(bio.getvalue()), dtype=torch.uint8)
+
+
+def _count_core_refusals(monkeypatch) -> list[str]:
+    refused: list[str] = []
+    inner = fastload._NotCoreGlobal.__init__
+
+    def init(self, *a):
+        refused.extend(a)
+        inner(self, *a)
+    monkeypatch.setattr(fastload._NotCoreGlobal, "__init__", init)
+    return refused
+
+
+def test_core_globals_are_a_subset_of_torchs_weights_only_allow_list():
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    allowed = _get_allowed_globals()
+    module = fastload._core_globals_module()
+    assert module is not None
+    unpickler = module.Unpickler(io.BytesIO(b""))
+    for mod, name in fastload._CORE_GLOBAL_NAMES:
+        assert unpickler.find_class(mod, name) is allowed[f"{mod}.{name}"]
+    assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
+    with pytest.raises(pickle.UnpicklingError):
+        unpickler.find_class("os", "system")
+    with pytest.raises(pickle.UnpicklingError):
+        unpickler.find_class("builtins", "set")  # allowed by torch, but not a core global: torch decides
+
+
+def test_state_dicts_load_through_the_core_unpickler(monkeypatch):
+    refused = _count_core_refusals(monkeypatch)
+    model, opt = _train_state()
+    sd = {"model": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "epoch": 4,
+          "extra": {"dtype_free": [1, 2.5, "x", None, True], "bf16": torch.ones(3, dtype=torch.bfloat16),
+                    "param": torch.nn.Parameter(torch.ones(2)), "size": torch.Size([2, 3])}}
+    got = fastload.load_pt_in_place(_pt_bytes(sd))
+    assert refused == []
+    want = torch.load(io.BytesIO(_pt_bytes(sd).numpy().tobytes()), weights_only=True)
+    from tree_compare import assert_tree_equal
+
+    assert_tree_equal(got, want)
+
+
+def test_other_allowed_globals_fall_back_to_torchs_unpickler(monkeypatch):
+    refused = _count_core_refusals(monkeypatch)
+    obj = {"s": {1, 2, 3}, "c": complex(1, 2), "t": torch.arange(5)}
+    got = fastload.load_pt_in_place(_pt_bytes(obj))
+    assert refused and got["s"] == {1, 2, 3} and got["c"] == complex(1, 2) and torch.equal(got["t"], torch.arange(5))
+
+
+def test_code_in_a_pickle_never_runs_through_either_unpickler(tmp_path, monkeypatch):
+    ran = []
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    bio = io.BytesIO()
+    torch.save({"x": torch.ones(2), "evil": Evil()}, bio)
+    monkeypatch.setattr(os, "system", lambda *a: ran.append(a))  # would record a call, if one were made
+    with pytest.raises(pickle.UnpicklingError):
+        fastload.load_pt_in_place(torch.frombuffer(bytearray(bio.getvalue()), dtype=torch.uint8))
+    assert ran == []

@@ -17,8 +17,10 @@ Strategies (``CHECKPOINTD_RESTORE_H2D``, so a benchmark can compare them in one 
 - ``serial``: one ``copy_`` per pair on the current stream (the behaviour before bulk copies);
 - ``legacy`` is handled by :mod:`checkpointd.restore_apply` (no bulk apply at all).
 
-``CHECKPOINTD_RESTORE_THREADS`` (default ``min(8, max(2, cpus // 2))``) and ``CHECKPOINTD_RESTORE_CHUNK_MB``
-(default 16) size the pool: ``threads x 2 x chunk`` bytes of pinned memory, kept for the process.
+``CHECKPOINTD_RESTORE_THREADS`` (default ``min(16, cpus)``) and ``CHECKPOINTD_RESTORE_CHUNK_MB``
+(default 8) size the pool: ``threads x 2 x chunk`` bytes of pinned memory (256 MiB on 16 cores), kept
+for the process. The host-side memcpy is the limit, not the DMA: on a 16-core H200 host 16 threads
+applied 4.8 GB in ~125 ms against ~155 ms with 8 (restore 0.24-0.29 s against 0.31-0.34 s in all).
 Every copy is finished (streams synchronised) before :func:`copy_pairs` returns, so callers and the
 training loop may use the tensors at once, on any stream. CPU-only builds only ever do plain copies.
 """
@@ -54,11 +56,11 @@ def _threads() -> int:
     env = os.environ.get(THREADS_ENV)
     if env:
         return max(1, int(env))
-    return min(8, max(2, (os.cpu_count() or 2) // 2))
+    return min(16, max(2, os.cpu_count() or 2))
 
 
 def _chunk_bytes() -> int:
-    return max(1, int(float(os.environ.get(CHUNK_ENV, "16")) * (1 << 20)))
+    return max(1, int(float(os.environ.get(CHUNK_ENV, "8")) * (1 << 20)))
 
 
 def is_dense(t: torch.Tensor) -> bool:

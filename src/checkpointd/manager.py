@@ -444,6 +444,9 @@ class CheckpointManager:
         rng = restore_mod.rng_of(manifest, contents)
         if rng is not None and manifest.world_size == 1:  # per-rank RNG of a distributed run: see distributed/runtime.py
             restore_rng(rng)
+        box = [contents, rng]
+        del contents, rng
+        restore_mod.drop_later(box)  # the read buffers are freed off this thread
         self._schedule.mark_saved()
 
     # ------------------------------------------------------------------------------------------

@@ -154,6 +154,18 @@ def values_by_entry(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str
     return out
 
 
+def drop_later(box: list[Any]) -> None:
+    """Free ``box``'s items on a short-lived thread instead of the caller's.
+
+    Why: the read buffers of a restore die with its decoded contents, and unmapping or freeing a
+    multi-GB buffer costs ~20 ms (page tables torn down), which the training thread need not wait
+    for. The caller must hold no other reference to the items.
+    """
+    import threading
+
+    threading.Thread(target=box.clear, name="checkpointd-release", daemon=True).start()
+
+
 def rng_of(manifest: Manifest, contents: Mapping[str, Any]) -> Any:
     rng_file = manifest.extra.get("rng_file")
     if rng_file and isinstance(contents.get(rng_file), dict):
