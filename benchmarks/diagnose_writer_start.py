@@ -55,7 +55,7 @@ _INSTRUMENTED = []
 
 
 def instrument():
-    """Log the writer's phases, the first and every 128th write task of each file, and every collection."""
+    """Log the writer's phases (planning, the wait for the copies, writing), the first and every 128th write task of each file, and every collection."""
     if _INSTRUMENTED:
         return
     _INSTRUMENTED.append(True)
@@ -64,7 +64,11 @@ def instrument():
     import checkpointd.ptlayout as PL
     import checkpointd.writer as W
 
+    import checkpointd.snapshot as S
+
     _wrap(W.BackgroundWriter, "_process", "process")
+    _wrap(W.BackgroundWriter, "plan_job", "plan")
+    _wrap(S.PendingCopies, "wait_host", "copy_wait")
     _wrap(W.BackgroundWriter, "write_files", "write_files")
     puts = {"n": 0}
     inner_put = PL._put_task

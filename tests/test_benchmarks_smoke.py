@@ -68,3 +68,35 @@ def test_bench_compression_small_smoke(tmp_path: Path) -> None:
     plain = {r["input"]: r for r in rows if r["method"] == "zstd"}
     assert "randn*0.02 bf16" in planes and planes["randn*0.02 bf16"]["ratio"] > plain["randn*0.02 bf16"]["ratio"] > 1.0
     assert all(r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
+    """bench_stall_dist.py under torchrun: 2 gloo ranks, FSDP2, a sharded checkpointd manager and DCP."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "stall_dist.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["DIST_TIMEOUT_S"] = "60"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", str(BENCH / "bench_stall_dist.py"), "--cpu", "--tiny",
+           "--every", "22", "--methods", "none,checkpointd,dcp_async,none", "--dir", str(tmp_path / "ckd"),
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
+    assert proc.returncode == 0, f"bench_stall_dist.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["workload"]["world_size"] == 2
+    per_rank = data["stall_by_rank"]["checkpointd"]
+    assert [x["rank"] for x in per_rank] == [0, 1]
+    assert all(len(x["stall_ms"]) == 3 and x["min"] <= x["mean"] <= x["max"] for x in per_rank)
+    assert [x["rank"] for x in data["stall_by_rank"]["dcp_async"]] == [0, 1]
+    for rk in data["ranks"]:
+        ckd = next(r for r in rk["runs"] if r["method"] == "checkpointd")
+        assert "error" not in ckd, ckd.get("error")
+        assert ckd["stats"]["saves_committed"] == 3
+    assert "stall ms mean [min, max]" in proc.stdout

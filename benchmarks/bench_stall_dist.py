@@ -1,0 +1,436 @@
+"""Training stall per checkpoint on N ranks (FSDP2, sharded checkpoints), per rank; run under torchrun.
+
+Performance issue 6: "on two GPUs (FSDP2, sharded mode) the per-rank stall about that of one GPU with half
+the state". This is ``bench_stall.py``'s measurement, unchanged, on every rank of a ``torchrun`` job:
+
+- workload: ``bench_stall``'s, identical for a given ``D, L, B, S`` (``common.make_model``: L transformer
+  blocks of width D, fp32 parameters, AdamW fused on CUDA, bf16 autocast, input B x S x D per rank),
+  wrapped with FSDP2: ``fully_shard`` on every block, then on the root. Each rank holds 1/N of the
+  parameters and AdamW moments. ``--state-gb`` is the total over the ranks (same presets as
+  ``bench_stall``: 5 -> D=2048, L=8);
+- the loop: ``bench_stall.Bench.run`` itself (every step ends with ``torch.cuda.synchronize()``, a save
+  step also synchronizes before the save call, so the call is timed alone). Each rank times its own steps;
+  nothing in the timed loop synchronizes ranks except what training does (FSDP's all-gathers and
+  reduce-scatters); barriers on a gloo group separate the methods only;
+- stall, defined (issue 6): per checkpoint, the sum over the save step and the 20 steps after it of (step
+  time - median step time of this rank's own ``none`` runs, pooled); mean, min, max over the checkpoints,
+  the first included (``bench_stall.analyse``, per rank).
+
+Methods (``--methods``, default ``none,checkpointd,dcp_async,none``):
+
+| method | what runs |
+|---|---|
+| ``none`` | no checkpointing (run first and last: the baseline, and drift) |
+| ``checkpointd`` | ``CheckpointManager(dir, {"model", "optim"}, mode="sharded", compression=None, every_n_steps=EVERY, keep_last=1, max_pending=1)``, ``maybe_save(step)`` every step |
+| ``checkpointd_zstd`` | the same with ``compression="zstd"`` |
+| ``checkpointd_device`` | the same plus device staging (CUDA only; as ``bench_stall``) |
+| ``dcp_async`` | ``dcp.async_save({"model": msd, "optim": osd}, process_group=<dedicated gloo group>)`` with ``msd, osd = get_state_dict(model, optim)`` in the timed call, default stager; the previous save is waited for first (``bench_stall``'s ``dcp_async``) |
+| ``dcp_async_pinned`` | the same with ``DefaultStager(StagingOptions(True, False, True, True))``, staging waited for before ``optimizer.step()`` |
+
+Rank 0 gathers every rank's runs and prints one table: rank, method, stall ms mean [min, max], first,
+steady-state ratio (``steady x``: mean step time between checkpoints / ``none`` on the same steps), the
+save call's time (``save ms`` mean, ``save 1st``), the median step time; with ``--json`` it writes every
+rank's step times, saves, stalls and checkpointd ``stats()`` plus ``stall_by_rank``.
+
+**The comparison (issue 6)** is ``bench_stall.py`` on one GPU with half the state: ``--state-gb`` = half of
+this run's (``--state-gb 5`` here on 2 GPUs, D=2048 L=8, against ``--state-gb 2.5`` there, D=2048 L=4,
+the same per-GPU state and batch). The exact single-GPU command (``--D/--L`` with L/N layers) is printed in
+the header; pass its JSON with ``--ref-json`` to get its rows (``1gpu``) and the ``x 1gpu`` column (this
+rank's mean stall / the single GPU's, same method) in the table. Per-rank compute is that of L layers (FSDP
+runs every layer on every rank), not L/N, so compare stalls, not step times.
+
+Run (2 GPUs, NCCL for training, each rank on cuda:LOCAL_RANK; the checkpoint dir must be shared by the ranks):
+
+    torchrun --nproc_per_node=2 benchmarks/bench_stall_dist.py --state-gb 5 --every 100 --ckpts 4 \\
+        --methods none,checkpointd,dcp_async,none --dir /dev/shm/ckd-dist --json stall_dist.json
+    python benchmarks/bench_stall.py --state-gb 2.5 --every 100 --ckpts 4 \\
+        --methods none,checkpointd,dcp_async,none --json stall_1gpu.json     # the reference, one GPU
+    (then rerun the first with --ref-json stall_1gpu.json, or compare the tables)
+
+CPU smoke test (gloo; timings mean nothing):
+
+    torchrun --nproc_per_node=2 benchmarks/bench_stall_dist.py --cpu --tiny
+
+``DIST_TIMEOUT_S`` (default 600): the timeout of every process group (training, DCP, barriers), so a rank left
+waiting in a collective by a failed one errors out instead of hanging (torchrun also stops the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_stall as S  # noqa: E402
+import common as C  # noqa: E402
+
+WINDOW = S.WINDOW
+DEFAULT_METHODS = ["none", "checkpointd", "dcp_async", "none"]
+
+
+class Ctx:
+    """Rank, world size, device, and the gloo groups this script uses besides the training group."""
+
+    def __init__(self, cpu: bool):
+        self.cuda = torch.cuda.is_available() and not cpu
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        timeout = timedelta(seconds=C.env_float("DIST_TIMEOUT_S", 600.0) or 600.0)
+        if self.cuda:
+            torch.cuda.set_device(self.local_rank)
+            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", self.local_rank))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.ctl = dist.new_group(backend="gloo", timeout=timeout)  # barriers between methods, gathering results
+        self.dcp = dist.new_group(backend="gloo", timeout=timeout)  # DCP's async_save (its background collectives)
+        self.dev = C.Dev(cpu=not self.cuda)
+        if self.cuda:
+            self.dev.device = torch.device("cuda", self.local_rank)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctl)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.ctl)
+        return out
+
+
+def local_tensors(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's shards (DTensor.to_local) of the state tensors."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in ts]
+
+
+# ----------------------------------------------------------------------------------------------------
+# savers: bench_stall's, with the distributed differences (sharded manager, DCP on a gloo group). Every
+# setup starts with a barrier: all ranks have emptied the method's directory before anyone writes there.
+
+
+class DistCheckpointd(S.Checkpointd):
+    name = "checkpointd"
+
+    def kwargs(self):
+        return {"mode": "sharded"}
+
+    def setup(self):
+        self.b.ctx.barrier()
+        super().setup()
+
+
+class DistCheckpointdZstd(DistCheckpointd):
+    name = "checkpointd_zstd"
+    compression = "zstd"
+
+
+class DistCheckpointdDevice(DistCheckpointd):
+    name = "checkpointd_device"
+
+    def kwargs(self):
+        kw = S.CheckpointdDevice.kwargs(self)
+        return None if kw is None else {**kw, "mode": "sharded"}
+
+
+class DistDcpAsync(S.DcpAsync):
+    """bench_stall's dcp_async: get_state_dict + async_save on a dedicated gloo group; one save in flight."""
+
+    name = "dcp_async"
+
+    def setup(self):
+        self.b.ctx.barrier()
+        super().setup()
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+        self.get_state_dict = get_state_dict
+
+    def save(self, step):
+        self._drain()  # at most one in flight, as max_pending=1
+        t0 = time.perf_counter()
+        d = os.path.join(self.b.dir, f"s{step}")
+        msd, osd = self.get_state_dict(self.b.model, self.b.opt)
+        r = self.dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=self.b.ctx.dcp, **self.kw)
+        if hasattr(r, "staging_completion"):
+            self.staging = r.staging_completion
+            fut = r.upload_completion
+        else:
+            fut = r
+        self.pending = (fut, t0, d)
+
+
+class DistDcpAsyncPinned(DistDcpAsync):
+    name = "dcp_async_pinned"
+    pinned = True
+
+
+DIST_SAVERS = {c.name: c for c in [S.Saver, DistCheckpointd, DistCheckpointdZstd, DistCheckpointdDevice,
+                                   DistDcpAsync, DistDcpAsyncPinned]}
+# bench_stall.Bench.run looks its saver up in bench_stall.SAVERS: in this process, these replace them.
+S.SAVERS.clear()
+S.SAVERS.update(DIST_SAVERS)
+
+
+class DistBench(S.Bench):
+    """bench_stall.Bench with the model wrapped by FSDP2 (same construction order, seeds and input)."""
+
+    def __init__(self, args, ctx: Ctx):
+        self.args = args
+        self.ctx = ctx
+        self.dev = ctx.dev
+        self.dir = args.dir
+        self.every = args.every
+        self.ckd_kwargs = C.parse_json_arg(args.ckd_kwargs)
+        self.device_kwargs = C.parse_json_arg(args.device_kwargs) or None
+        torch.manual_seed(0)
+        self.model = C.make_model(args.D, args.L, self.dev.device)
+        for block in self.model:
+            fully_shard(block)
+        fully_shard(self.model)
+        self.opt = C.make_optimizer(self.model, self.dev)
+        self.x = torch.randn(args.B, args.S, args.D, device=self.dev.device)
+        self.amp_dtype = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------------
+# report
+
+
+def stall_summary(r: dict) -> dict | None:
+    s = r.get("stall_ms") or []
+    if not s:
+        return None
+    b = r.get("block_s") or []
+    return {"mean": sum(s) / len(s), "min": min(s), "max": max(s), "first": s[0], "stall_ms": s,
+            "save_call_ms": 1e3 * sum(b) / len(b) if b else None, "save_call_first_ms": 1e3 * b[0] if b else None,
+            "steady_mean_ratio": r.get("steady_mean_ratio"), "median_step_ms": r.get("median_step_ms")}
+
+
+def load_ref(path: str | None) -> dict | None:
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def summarise(res: dict) -> str:
+    ref = res.get("ref")
+    ref_runs = {r["method"]: r for r in (ref or {}).get("runs", [])}
+    rows = []
+    methods: list[str] = []
+    for rk in res["ranks"]:
+        for r in rk["runs"]:
+            if r["method"] not in methods:
+                methods.append(r["method"])
+
+    def row(rank: str, r: dict, base: dict | None) -> dict:
+        out: dict[str, Any] = {"rank": rank, "method": r["method"]}
+        if "skipped" in r:
+            out["note"] = "skipped: " + r["skipped"]
+            return out
+        sm = stall_summary(r)
+        if sm:
+            out["stall"] = f"{sm['mean']:.1f} [{sm['min']:.1f}, {sm['max']:.1f}]"
+            out["first"] = C.fmt(sm["first"])
+            out["block"] = C.fmt(sm["save_call_ms"], ".1f")
+            out["bfirst"] = C.fmt(sm["save_call_first_ms"], ".1f")
+            bs = stall_summary(base) if base else None
+            if bs and bs["mean"] > 0:
+                out["xref"] = C.fmt(sm["mean"] / bs["mean"], ".2f")
+        if "steady_mean_ratio" in r:
+            out["steady"] = C.fmt(r["steady_mean_ratio"], ".3f")
+        if "median_step_ms" in r:
+            out["med"] = C.fmt(r["median_step_ms"], ".2f")
+        if r.get("persist_s"):
+            out["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
+        notes = list(r.get("notes") or [])
+        if "error" in r:
+            notes.insert(0, "ERROR " + r["error"])
+        if notes:
+            out["note"] = "; ".join(notes)[:100]
+        return out
+
+    for m in methods:
+        for rk in res["ranks"]:
+            r = next((x for x in rk["runs"] if x["method"] == m), None)
+            if r is not None:
+                rows.append(row(str(rk["rank"]), r, ref_runs.get(m)))
+        if m in ref_runs:
+            rows.append(row("1gpu", ref_runs[m], None))
+    cols = [("rank", "rank"), ("method", "method"), ("stall", "stall ms mean [min, max]"), ("first", "first"),
+            ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
+            ("persist", "persist s"), ("xref", "x 1gpu"), ("note", "note")]
+    i, w = res["info"], res["workload"]
+    head = (f"\n== stall, {w['world_size']} ranks ({i['backend']}, FSDP2): {i['device']}, torch {i['torch']}, {i['date']}\n"
+            f"   D={w['D']} L={w['L']} B={w['B']} S={w['S']} per rank: {w['params'] / 1e6:.1f}M params, state "
+            f"{w['state_bytes_total'] / 1e9:.3f} GB total, {w['state_bytes_per_rank'] / 1e9:.3f} GB per rank in "
+            f"{w['tensors']} tensors; {w['ckpts']} checkpoints every {w['every']} steps, {w['steps']} steps/method; "
+            f"dir {w['dir']} ({w['dir_fs']})\n")
+    fl = res.get("floor") or []
+    if fl:
+        head += "   fwd+bwd ms per rank: " + ", ".join(C.fmt(f.get("fwdbwd_ms"), ".1f") for f in fl)
+        if fl[0].get("d2h_pinned_GBps") is not None:
+            head += ("; pinned D2H GB/s per rank (all ranks at once): "
+                     + ", ".join(C.fmt(f.get("d2h_pinned_GBps"), ".1f") for f in fl))
+        head += "\n"
+    head += f"   single-GPU reference (half the state): {res['ref_command']}\n"
+    if ref:
+        rw = ref["workload"]
+        head += (f"   1gpu rows from {res['ref_path']}: {ref['info'].get('device')}, D={rw['D']} L={rw['L']} B={rw['B']} "
+                 f"S={rw['S']}, state {rw['state_bytes'] / 1e9:.3f} GB\n")
+    head += ("   stall = sum over the save step + 20 steps of (step - median step of this rank's `none` runs), mean "
+             "[min, max] over checkpoints, first included;\n"
+             "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
+             "x 1gpu = mean stall / the single GPU's\n")
+    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="CPU and gloo even if CUDA is available")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", None),
+                   help="total state over all ranks: 0.5, 5 or 20 (presets of bench_stall), else L at D=2048")
+    p.add_argument("--D", type=int, default=None)
+    p.add_argument("--L", type=int, default=None)
+    p.add_argument("--B", type=int, default=None, help="batch per rank (default 8)")
+    p.add_argument("--S", type=int, default=None)
+    p.add_argument("--every", type=int, default=None, help="checkpoint every N steps (default 100; tiny 25)")
+    p.add_argument("--ckpts", type=int, default=3, help="checkpoints per method (>= 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per method (default (ckpts+1)*every - 1)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma list from: " + ", ".join(DIST_SAVERS))
+    p.add_argument("--dir", default="/dev/shm/ckd-dist", help="checkpoint root shared by the ranks (a subdirectory per method)")
+    p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--max-pending", type=int, default=1)
+    p.add_argument("--ckd-kwargs", default=None, help="JSON object of extra CheckpointManager kwargs")
+    p.add_argument("--device-kwargs", default=None, help="JSON object of kwargs for checkpointd_device")
+    p.add_argument("--ref-json", default=None, help="bench_stall.py JSON of the single-GPU reference (half the state)")
+    p.add_argument("--json", default=None, help="write all results here (rank 0)")
+    a = p.parse_args(argv)
+    if a.tiny:
+        d = dict(D=64, L=2, B=2, S=32, every=25)
+    else:
+        dd, ll = C.shape_for_gb(a.state_gb if a.state_gb is not None else 5.0)
+        d = dict(D=dd, L=ll, B=8, S=512, every=100)
+    for k, v in d.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.steps is None:
+        a.steps = (a.ckpts + 1) * a.every - 1
+    if a.ckpts < 3:
+        p.error("--ckpts must be >= 3")
+    if a.every < WINDOW + 1:
+        p.error(f"--every must be > {WINDOW} so the stall windows do not overlap")
+    if a.steps < a.ckpts * a.every + WINDOW - 1:
+        p.error(f"--steps must be >= ckpts*every + {WINDOW - 1}")
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in a.methods:
+        if m not in DIST_SAVERS:
+            p.error(f"unknown method {m!r}; choose from {list(DIST_SAVERS)}")
+    return a
+
+
+def ref_command(args, world: int) -> str:
+    if args.L % world == 0:
+        shape = f"--D {args.D} --L {args.L // world}"
+    else:
+        shape = f"--D {args.D} --L {args.L} (L not divisible by {world}: pick --L for 1/{world} of the state)"
+    return (f"python benchmarks/bench_stall.py {'--cpu ' if args.cpu else ''}{shape} --B {args.B} --S {args.S} "
+            f"--every {args.every} --ckpts {args.ckpts} --steps {args.steps} --methods {','.join(args.methods)}"
+            + (f" (--state-gb {args.state_gb / world:g})" if args.state_gb else ""))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ctx = Ctx(cpu=args.cpu)
+    try:
+        return _main(args, ctx)
+    finally:
+        dist.destroy_process_group()
+
+
+def _main(args, ctx: Ctx):
+    rank0 = ctx.rank == 0
+    b = DistBench(args, ctx)
+    b.steps = args.steps
+    info = C.env_info(b.dev)
+    info.update(world_size=ctx.world, backend=ctx.backend)
+    if rank0:
+        print(f"[stall-dist] {ctx.world} ranks, {ctx.backend}, {info['device']}  torch {info['torch']}  "
+              f"checkpointd {info['checkpointd']}", flush=True)
+        if not b.dev.cuda:
+            print("[stall-dist] CPU mode: a smoke test of the script; its timings mean nothing", flush=True)
+        os.makedirs(args.dir, exist_ok=True)
+    b.warmup(args.warmup)
+    ts = C.state_tensors(b.model, b.opt)
+    sb_local = C.nbytes(local_tensors(ts))
+    sb_total = C.nbytes(ts)  # DTensor numel is the global one
+    workload = {"D": args.D, "L": args.L, "B": args.B, "S": args.S, "params": sum(p.numel() for p in b.model.parameters()),
+                "state_bytes_total": sb_total, "state_bytes_per_rank": sb_local, "tensors": len(ts),
+                "every": args.every, "ckpts": args.ckpts, "steps": args.steps, "dir": args.dir,
+                "dir_fs": C.fs_type(args.dir), "amp": "bf16", "fused_adamw": b.dev.cuda, "world_size": ctx.world,
+                "fsdp": "fully_shard per block + root"}
+    floor = b.floor(sb_local)
+    floors = ctx.gather(floor)
+    res: dict[str, Any] = {"info": info, "workload": workload, "floor": floors, "runs_note":
+                           "ranks[i].runs: bench_stall.Bench.run per rank, stalls against that rank's `none` runs",
+                           "ranks": [], "stall_by_rank": {}, "complete": False,
+                           "ref_command": ref_command(args, ctx.world), "ref_path": args.ref_json}
+    if rank0:
+        res["ref"] = load_ref(args.ref_json)
+        print(f"[stall-dist] state {sb_total / 1e9:.3f} GB total, {sb_local / 1e9:.3f} GB per rank; D={args.D} L={args.L} "
+              f"B={args.B} S={args.S}; floor {floors}", flush=True)
+    runs: list[dict] = []
+    counts: dict[str, int] = {}
+    for k, m in enumerate(args.methods):
+        b.dir = os.path.join(args.dir, f"{k:02d}-{m}")
+        if rank0:
+            C.clean_dir(b.dir)
+        ctx.barrier()
+        t0 = time.perf_counter()
+        r = b.run(m)  # Bench.run empties b.dir on every rank; the savers' setup waits for all ranks
+        counts[m] = counts.get(m, 0) + 1
+        if counts[m] > 1:
+            r["method"] = f"{m}#{counts[m]}"
+        r["wall_s"] = time.perf_counter() - t0
+        r["rank"] = ctx.rank
+        runs.append(r)
+        S.analyse(runs, args.every, args.steps)
+        ctx.barrier()
+        if rank0:
+            shutil.rmtree(b.dir, ignore_errors=True)
+        everyone = ctx.gather(runs)
+        if rank0:
+            res["ranks"] = [{"rank": i, "runs": rr} for i, rr in enumerate(everyone)]
+            res["stall_by_rank"] = {x["method"]: [dict(rank=i, **(stall_summary(rr[j]) or {}))
+                                                  for i, rr in enumerate(everyone)]
+                                    for j, x in enumerate(everyone[0]) if stall_summary(x)}
+            C.write_json(args.json, res, quiet=True)
+            brief = [{kk: rr[-1].get(kk) for kk in ("stall_ms", "block_s", "steady_mean_ratio", "error", "skipped")
+                      if rr[-1].get(kk) is not None} for rr in everyone]
+            print(f"[stall-dist] {r['method']} ({r['wall_s']:.1f} s): " + "; ".join(
+                f"rank {i} {C.jsonable(x)}" for i, x in enumerate(brief)), flush=True)
+    ctx.barrier()
+    if rank0:
+        text = summarise(res)
+        stats = S.ckd_stats_lines(res["ranks"][0]["runs"])
+        res["table"] = text + ("\n   rank 0:\n" + stats if stats else "")
+        print(res["table"], flush=True)
+        res["complete"] = True
+        C.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
