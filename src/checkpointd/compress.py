@@ -76,6 +76,11 @@ from .errors import ConfigError, CorruptCheckpointError
 from .streams import ReadStream
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+PLANES_CHUNK_BYTES = 16 << 20
+"""``zstd-planes`` chunks are bigger: each costs a few dozen NumPy calls that hold the GIL, and on a
+16-core H200 host 16 threads encoded 256 MB of fp32 at 4.2-4.7 GB/s in 16 MiB chunks against 2.5 in
+4 MiB chunks (decoding: no change, 3.7-5.4 GB/s). A one-tensor partial read decodes at most one
+chunk more on each side."""
 """Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
 
 DIRECT_MIN_BYTES = 64 << 10
@@ -271,6 +276,9 @@ class ZstdPlanesCodec(ZstdCodec):
 
     name = "zstd-planes"
     _footer_magic = _PLANES_FOOTER_MAGIC
+
+    def __init__(self, level: int = 1, *, chunk_bytes: int = PLANES_CHUNK_BYTES, **options: Any) -> None:
+        super().__init__(level, chunk_bytes=chunk_bytes, **options)
 
     def _preamble(self) -> list[bytes]:
         return [_banner_frame()]
