@@ -7,7 +7,9 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
 - raw: the same tensor bytes written with os.pwrite (64 MiB chunks) from several threads into one file
   and into several files, fsync'd; every thread count of --raw-threads; the best is the ceiling "raw";
 - torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
-- checkpointd / checkpointd_zstd: time from maybe_save(step, force=True) until wait() returns (the
+- checkpointd / checkpointd_fast / checkpointd_zstd: time from maybe_save(step, force=True) until wait()
+  returns (checkpointd_fast: CHECKPOINTD_PERSIST=fast, the full-speed writes a preemption save uses; the
+  default writes gently beside training, see bench_stall.py for what each costs the training steps) (the
   checkpoint is committed and durable); the targets apply to this. For diagnosis, also the time until
   wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
   snapshot": the persist alone, if the writer does not overlap the snapshot).
@@ -34,7 +36,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_zstd"]
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_fast", "checkpointd_zstd"]
+METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"}}
+"""Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
 
 
 def host_mirror(ts: list[torch.Tensor], dev: C.Dev) -> list[torch.Tensor]:
@@ -130,6 +134,11 @@ def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes:
     C.clean_dir(d)
     kw = dict(keep_last=None, compression=compression, max_pending=1)
     kw.update(C.parse_json_arg(args.ckd_kwargs))
+    knobs = METHOD_ENV.get(method, {})
+    if knobs:
+        row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))
+    saved_env = {k: os.environ.get(k) for k in knobs}
+    os.environ.update(knobs)
     mgr = None
     try:
         t0 = time.perf_counter()
@@ -170,6 +179,11 @@ def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes:
                 mgr.close()
             except Exception as e:  # noqa: BLE001
                 row["notes"].append("close: " + C.error_text(e))
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     shutil.rmtree(d, ignore_errors=True)
     return row
 

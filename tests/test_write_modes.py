@@ -115,3 +115,70 @@ def test_filesystem_type_reads_mountinfo(monkeypatch: pytest.MonkeyPatch, tmp_pa
     finally:
         monkeypatch.undo()
         fsinfo._mounts.cache_clear()
+
+
+def _spy_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[Any]]:
+    """(fast flag of every ptlayout.write_file call, lanes of every run_tasks call)."""
+    from checkpointd import ptlayout
+
+    fast: list[bool] = []
+    seen_lanes: list[Any] = []
+    inner_file, inner_run = ptlayout.write_file, ptlayout.run_tasks
+
+    def write_file(*a: Any, **k: Any) -> Any:
+        fast.append(bool(k.get("fast", False)))
+        return inner_file(*a, **k)
+
+    def run_tasks(fns: Any, executor: Any = None, lanes: Any = None) -> Any:
+        seen_lanes.append(lanes)
+        return inner_run(fns, executor, lanes=lanes)
+
+    monkeypatch.setattr(ptlayout, "write_file", write_file)
+    monkeypatch.setattr(ptlayout, "run_tasks", run_tasks)
+    return fast, seen_lanes
+
+
+def _check_step(step_dir: Path, model: torch.nn.Module, step: int) -> None:
+    manifest = Manifest.from_json((step_dir / "manifest.json").read_bytes())
+    for entry in manifest.files:
+        data = (step_dir / entry.path).read_bytes()
+        assert f"crc32:{zlib.crc32(data):08x}" == entry.checksum, entry.path
+    weights = torch.load(step_dir / f"Sequential.0.{step}.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(weights[k], v) and weights[k].stride() == v.stride(), k
+
+
+@pytest.mark.parametrize("persist", ["gentle", "fast"])
+def test_persist_setting_chooses_the_lanes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: str) -> None:
+    from checkpointd import ptlayout
+
+    monkeypatch.setenv(ptlayout.FAST_PERSIST_ENV, persist)
+    monkeypatch.setenv("CHECKPOINTD_IO_THREADS", "6")
+    fast, lanes = _spy_writes(monkeypatch)
+    model = _model()
+    with CheckpointManager(tmp_path, {"model": model}, compression=None) as mgr:
+        mgr.save(4)
+    assert fast and all(f == (persist == "fast") for f in fast)
+    assert (6 if persist == "fast" else ptlayout.write_lanes()) in lanes
+    _check_step(tmp_path / "step-000000004", model, 4)
+
+
+def test_a_preemption_save_is_written_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+    import time
+
+    monkeypatch.delenv("CHECKPOINTD_PERSIST", raising=False)
+    fast, _ = _spy_writes(monkeypatch)
+    model = _model()
+    with CheckpointManager(tmp_path, {"model": model}, compression=None, every_n_steps=2,
+                           save_on_signals=[signal.SIGUSR1]) as mgr:
+        assert mgr.maybe_save(2)
+        mgr.wait()
+        scheduled = list(fast)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert mgr.maybe_save(3)  # not due: saved because of the signal
+        mgr.wait()
+    assert scheduled and not any(scheduled)
+    assert fast[len(scheduled):] and all(fast[len(scheduled):])
+    _check_step(tmp_path / "step-000000003", model, 3)

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import commit, gcfreeze, layout, restore as restore_mod
+from . import commit, gcfreeze, layout, ptlayout, restore as restore_mod
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -257,6 +257,7 @@ class CheckpointManager:
                          codec_name=self._codec.name, locations=locations, extra=extra,
                          clear_step_dir=self._clear_step_dir)
         job.after_commit = self._after_commit
+        job.fast = preempted or ptlayout.fast_persist()  # the grace period waits for a preemption save
         self._inflight.add(job, time.perf_counter() - t0)
         self._writer.submit(job)
         self._schedule.mark_saved()

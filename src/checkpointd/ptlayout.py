@@ -181,6 +181,22 @@ def _run_in_lanes(fns: list[Callable[[], Any]], pool: Executor, lanes: int) -> l
     return results
 
 
+FAST_PERSIST_ENV = "CHECKPOINTD_PERSIST"
+"""``gentle`` (default) or ``fast``: how a save's files are written while training goes on.
+
+``gentle`` writes each file with :func:`write_lanes` threads by ``pwrite``, which the training steps
+barely feel. ``fast`` (also used for every save a preemption signal triggers, which the job's grace
+period waits for) puts every I/O thread on each file and maps files on memory file systems. Measured
+on an H200 host (16 cores, tmpfs, 4.8 GB): gentle persisted at 4.1-4.7 GB/s and cost the training
+steps that ran meanwhile ~1 ms; fast persisted at 6.7 GB/s (0.93x the best raw write of the same run)
+and cost them ~190 ms per checkpoint (page faults on the mappings contend with the training process)."""
+
+
+def fast_persist() -> bool:
+    """Whether ``CHECKPOINTD_PERSIST=fast`` asks for fast writes of every save."""
+    return os.environ.get(FAST_PERSIST_ENV, "gentle").strip().lower() == "fast"
+
+
 def write_lanes() -> int:
     """Threads that write one file at once: ``CHECKPOINTD_WRITE_THREADS_PER_FILE``, default 4.
 
@@ -493,7 +509,10 @@ def write_mode(fd: int | None = None) -> str:
     ~25 ms for ``pwrite``. Use ``mmap``/``auto`` where persist time matters more than the training stall
     (a final or preemption save, a process that only writes).
     """
-    mode = os.environ.get("CHECKPOINTD_WRITE_MODE", "pwrite").strip().lower()
+    return _resolve_mode(os.environ.get("CHECKPOINTD_WRITE_MODE", "pwrite").strip().lower(), fd)
+
+
+def _resolve_mode(mode: str, fd: int | None) -> str:
     if mode != "auto":
         return mode if mode in ("pwrite", "mmap") else "pwrite"
     if fd is None:
@@ -508,11 +527,14 @@ FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None]], list[tuple[Pie
 
 
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                executor: Executor | None = None, mode: str | None = None, fill: FillFn | None = None) -> WriteResult:
+                executor: Executor | None = None, mode: str | None = None, fill: FillFn | None = None,
+                fast: bool = False) -> WriteResult:
     """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) from many threads.
 
     The caller owns ``fd`` (opening, fsync, closing, removal on failure). ``mode``: see the module
     docstring (None reads ``CHECKPOINTD_WRITE_MODE``). ``fill`` writes the :class:`Deferred` members.
+    ``fast``: a save nobody trains beside (see :data:`FAST_PERSIST_ENV`): every I/O thread on this file,
+    and a mapping on memory file systems (``auto``) unless ``mode`` says otherwise.
     """
     os.ftruncate(fd, img.end)
     data = img.data_pieces()
@@ -521,7 +543,8 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         raise ValueError("ptlayout: the image has deferred members but no fill was given")
     tasks = plan_tasks([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes)
     mapped = None
-    if (mode or write_mode(fd)) == "mmap" and img.end > 0:
+    chosen = _resolve_mode(mode, fd) if mode is not None else (_resolve_mode("auto", fd) if fast else write_mode(fd))
+    if chosen == "mmap" and img.end > 0:
         import numpy as np
 
         os.posix_fallocate(fd, 0, img.end)  # ENOSPC here, never SIGBUS while copying
@@ -542,7 +565,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task])
 
     try:
-        results = run_tasks([make(t) for t in tasks], executor, lanes=write_lanes())
+        results = run_tasks([make(t) for t in tasks], executor, lanes=io_threads() if fast else write_lanes())
         if deferred:
             _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put))  # type: ignore[misc]
     finally:
@@ -587,14 +610,15 @@ def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:
 
 
 def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None) -> WriteResult:
+               executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None,
+               fast: bool = False) -> WriteResult:
     """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
 
-    On any failure the partial file is removed and the error raised. ``fill``: see :func:`write_image`.
+    On any failure the partial file is removed and the error raised. ``fill``, ``fast``: see :func:`write_image`.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)  # RDWR: mmap mode
     try:
-        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill)
+        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -616,5 +640,5 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
     return result
 
 
-__all__ = ["ZipImage", "build_zip", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
+__all__ = ["FAST_PERSIST_ENV", "ZipImage", "build_zip", "fast_persist", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
            "write_image", "ZIP64_LIMIT"]

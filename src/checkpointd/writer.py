@@ -43,6 +43,8 @@ class FileJob:
     """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
     image: Any = None
     """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
+    fast: bool = False
+    """Write at full speed rather than gently beside training (``ptlayout.FAST_PERSIST_ENV``)."""
 
 
 @dataclass
@@ -64,6 +66,8 @@ class SaveJob:
     plan_files: Callable[[], None] | None = None
     """Runs first, before ``before_write`` waits for the copies: pickles the files into ``files`` when
     that needs no copied value (the Python work then overlaps the copy, not the training steps after it)."""
+    fast: bool = False
+    """Write every file at full speed (a preemption save, ``CHECKPOINTD_PERSIST=fast``), not gently."""
     future: Future = field(default_factory=Future)
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
@@ -148,6 +152,8 @@ class BackgroundWriter(SerialWorker):
         error: BaseException | None = None
         stream = job.stream
         try:
+            for f in job.files:
+                f.fast = job.fast
             futures = [self._pool.submit(self._write_file_task, job.step_dir, f, stream) for f in job.files]
             if stream is not None:
                 try:
@@ -312,7 +318,8 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEn
     fjob.image = None  # an image is written once (its pieces record CRCs); a retry lays it out again
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
-    result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None)
+    result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
+                                 fast=fjob.fast)
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 
