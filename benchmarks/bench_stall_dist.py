@@ -318,27 +318,9 @@ def parse_args(argv=None):
     p.add_argument("--ref-json", default=None, help="bench_stall.py JSON of the single-GPU reference (half the state)")
     p.add_argument("--json", default=None, help="write all results here (rank 0)")
     a = p.parse_args(argv)
-    if a.tiny:
-        d = dict(D=64, L=2, B=2, S=32, every=25)
-    else:
-        dd, ll = C.shape_for_gb(a.state_gb if a.state_gb is not None else 5.0)
-        d = dict(D=dd, L=ll, B=8, S=512, every=100)
-    for k, v in d.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-    if a.steps is None:
-        a.steps = (a.ckpts + 1) * a.every - 1
     if a.ckpts < 3:
         p.error("--ckpts must be >= 3")
-    if a.every < WINDOW + 1:
-        p.error(f"--every must be > {WINDOW} so the stall windows do not overlap")
-    if a.steps < a.ckpts * a.every + WINDOW - 1:
-        p.error(f"--steps must be >= ckpts*every + {WINDOW - 1}")
-    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    for m in a.methods:
-        if m not in DIST_SAVERS:
-            p.error(f"unknown method {m!r}; choose from {list(DIST_SAVERS)}")
-    return a
+    return S.resolve_args(p, a, DIST_SAVERS)
 
 
 def ref_command(args, world: int) -> str:

@@ -225,7 +225,7 @@ def _pack_nibbles(plane: np.ndarray, base: int) -> list[Any] | None:
     np.multiply(codes[:half], np.uint8(16), out=packed[:half])
     packed[:half] |= codes[half:]
     packed[half:] = plane[escapes]
-    return [_NIBBLES.pack(base, escapes.size), _plane_compressor().compress(packed)]
+    return [_NIBBLES.pack(base, escapes.size), _plane_compressor().compress(packed.data)]
 
 
 def encode_planes(
