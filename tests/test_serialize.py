@@ -158,3 +158,29 @@ def test_every_dtype_through_the_manager(tmp_path, compression):
         assert got["tensors"][k].stride() == v.stride(), k
     assert torch.equal(got["tied"]["a.weight"], tied.a.weight)
     assert got["tied"]["b.weight"].data_ptr() == got["tied"]["a.weight"].data_ptr()
+
+
+def test_plan_records_each_records_dtype():
+    t16 = torch.randn(100).to(torch.bfloat16)
+    t32 = torch.randn(100)
+    p64 = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))  # not the fast path: a TypedStorage
+    plan = plan_pt({"a": t16, "b": [t32, p64], "i": torch.arange(3)})
+    keys = {holder.untyped_storage().data_ptr(): key for key, holder in plan.storages}
+    want = {keys[t.untyped_storage().data_ptr()]: t.dtype for t in (t16, t32, p64, torch.arange(0))
+            if t.untyped_storage().data_ptr() in keys}
+    assert {k: plan.dtypes[k] for k in want} == want
+    assert set(plan.dtypes.values()) == {torch.bfloat16, torch.float32, torch.float64, torch.int64}
+
+
+def test_loaded_tensors_get_their_own_hooks_dicts():
+    """Like torch.save: each tensor's (empty) backward-hooks dict is its own object after loading."""
+    obj = {"a": torch.randn(3), "b": torch.randn(3), "c": [torch.ones(2)]}
+    got, raw, _ = _roundtrip(obj)
+    ref = io.BytesIO()
+    torch.save(obj, ref)
+    with zipfile.ZipFile(io.BytesIO(raw)) as ours, zipfile.ZipFile(ref) as theirs:
+        mine = next(n for n in ours.namelist() if n.endswith("data.pkl"))
+        torchs = next(n for n in theirs.namelist() if n.endswith("data.pkl"))
+        assert ours.read(mine) == theirs.read(torchs)  # the same pickle, byte for byte
+    hooks = [got["a"]._backward_hooks, got["b"]._backward_hooks, got["c"][0]._backward_hooks]
+    assert len({id(h) for h in hooks}) == 3

@@ -14,6 +14,7 @@ needs only their layout. ``before_write`` then lays out the chunk stream in each
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from .manifest import EntryLocation, Manifest
 from .serialize import plan_pt
 from .chunkstream import ChunkStream
 from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
-from .state import DeferredScalar, Entry, FileContent, copy_tree, resolve_deferred
+from .state import DeferredScalar, Entry, FileContent, copy_tree
 from .writer import FileJob, SaveJob
 
 ENQUEUE_GRACE_SECS = 2.0
@@ -129,22 +130,27 @@ def stage_save(
                                                           step_dir, clear_step_dir)
         return job
 
-    def plan_files() -> None:  # committer thread
+    def plan_files(copied: bool = True) -> None:  # committer thread
+        """Pickle every file; ``copied=False``: give up (planning later) if a value must be copied first."""
         if job.files:
             return
+        planned = []
         for f, skeleton in zip(files, skeletons):
-            tree = resolve_deferred(_fill_slots(skeleton, staged))
+            try:
+                tree = _fill_slots(skeleton, staged, copied)
+            except _NeedsCopiedValue:
+                return
             plan = plan_pt(tree)
-            job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=_record_dtypes(tree, plan),
-                                     json_members=f.json_members, rank=f.rank))
+            planned.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=plan.dtypes,
+                                   json_members=f.json_members, rank=f.rank))
+        job.files.extend(planned)
 
     def plan_ahead() -> None:  # committer thread, before the copies are waited for
         # Pickling needs only the staged buffers' layout, so it runs while the copies are in flight:
         # this Python work then overlaps the device-to-host copy (which training waits for anyway)
         # instead of holding the GIL during the training steps after it. DeferredScalars need the
         # copied values: such files are pickled after the wait.
-        if not _deferred_slots(skeletons):
-            plan_files()
+        plan_files(copied=False)
 
     def before_write() -> None:  # committer thread
         staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
@@ -174,9 +180,9 @@ def _before_streamed_write(job: SaveJob, files: list[FileContent], skeletons: li
     clear_step_dir(step_dir)
     records = []
     for f, skeleton in zip(files, skeletons):
-        tree = resolve_deferred(_fill_slots(skeleton, staged))
+        tree = _fill_slots(skeleton, staged)
         plan = plan_pt(tree, allow_placeholders=True)
-        job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=_record_dtypes(tree, plan),
+        job.files.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=plan.dtypes,
                                  json_members=f.json_members, rank=f.rank))
         records.append([(key, by_storage[h.untyped_storage()._cdata], h.untyped_storage().nbytes())
                         for key, h in plan.storages if h.device.type == "meta"])
@@ -205,29 +211,28 @@ def _deferred_slots(skeletons: list[Any]) -> set[int]:
     return out
 
 
-def _fill_slots(obj: Any, staged: list[torch.Tensor]) -> Any:
+class _NeedsCopiedValue(Exception):
+    """A DeferredScalar reads a staged tensor whose copy may not have landed yet."""
+
+
+def _fill_slots(obj: Any, staged: list[torch.Tensor], copied: bool = True) -> Any:
+    """The skeleton with staged tensors in its slots and DeferredScalars turned into numbers, in one walk.
+
+    Containers come out as OrderedDict, dict, list or tuple (what the pickle needs; torch.Size kept).
+    ``copied=False``: raise :class:`_NeedsCopiedValue` instead of reading a staged tensor's value.
+    """
     if isinstance(obj, _Slot):
         return staged[obj.index]
     if isinstance(obj, DeferredScalar):
-        return DeferredScalar(_fill_slots(obj.tensor, staged), obj.as_type)
+        if isinstance(obj.tensor, _Slot) and not copied:
+            raise _NeedsCopiedValue
+        return obj.as_type(_fill_slots(obj.tensor, staged, copied).item())
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _fill_slots(v, staged, copied)) for k, v in obj.items())
     if isinstance(obj, dict):
-        return type(obj)((k, _fill_slots(v, staged)) for k, v in obj.items())
+        return {k: _fill_slots(v, staged, copied) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_fill_slots(v, staged) for v in obj]
+        return [_fill_slots(v, staged, copied) for v in obj]
     if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(_fill_slots(v, staged) for v in obj)
+        return tuple(_fill_slots(v, staged, copied) for v in obj)
     return obj
-
-
-def _record_dtypes(tree: Any, plan: Any) -> dict[str, torch.dtype]:
-    """Element dtype of each storage record (for the codec's float-aware choice)."""
-    by_storage = {holder.untyped_storage()._cdata: key for key, holder in plan.storages}
-    out: dict[str, torch.dtype] = {}
-
-    def visit(t: torch.Tensor) -> None:
-        key = by_storage.get(t.untyped_storage()._cdata)
-        if key is not None:
-            out[key] = t.dtype
-
-    copy_tree(tree, visit)
-    return out

@@ -45,6 +45,8 @@ class PtPlan:
     pickle_bytes: bytes
     storages: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     """(record key, tensor whose storage is the record) in record order."""
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """Element dtype of each record, as the pickle's tensors view it (a codec's float-aware choice)."""
 
     @property
     def data_nbytes(self) -> int:
@@ -60,6 +62,7 @@ class _StorageRef:
         self.pid = pid
 
 
+_NOT_STORAGES = frozenset({str, int, float, bool, type(None), tuple, list, dict, OrderedDict, torch.dtype, torch.Size})
 _V3_DTYPES = frozenset(torch.storage._new_dtypes())
 _STORAGE_TYPE_NAMES = torch.storage._dtype_to_storage_type_map()
 
@@ -76,6 +79,7 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
             layout; the writer gets their bytes from a ``records`` source.
     """
     storages: dict[int, tuple[str, torch.Tensor]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     devices = ("cpu", "meta") if allow_placeholders else ("cpu",)
 
     def storage_key(untyped: torch.UntypedStorage) -> str:
@@ -89,6 +93,10 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
 
     class _Pickler(pickle.Pickler):
         def reducer_override(self, o: Any) -> Any:
+            if type(o) is OrderedDict and not o:
+                # Each tensor's empty backward-hooks dict, reduced as its own __reduce__ would (same
+                # bytes) without the copyreg lookup that pickling a builtin type repeats every time.
+                return OrderedDict, ()
             # Fast path for plain dense CPU tensors: the same reduction Tensor.__reduce_ex__ produces,
             # without its Python-heavy generic path (it held the GIL ~0.1 ms per tensor, which the
             # training thread felt while a large optimizer state was being pickled in the background).
@@ -96,6 +104,7 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
                 return NotImplemented
             untyped = o.untyped_storage()
             key = storage_key(untyped)
+            dtypes[key] = o.dtype
             if o.dtype in _V3_DTYPES:
                 ref = _StorageRef(("storage", torch.UntypedStorage, key, "cpu", untyped.nbytes()))
                 args: tuple[Any, ...] = (ref, o.storage_offset(), tuple(o.size()), o.stride(), o.requires_grad,
@@ -107,17 +116,23 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False) -> PtPlan:
             return torch._utils._rebuild_tensor_v2, args
 
         def persistent_id(self, o: Any) -> Any:
-            if type(o) is _StorageRef:
+            # Called for every object pickled (thousands per optimizer state): the common types leave first.
+            t = type(o)
+            if t is _StorageRef:
                 return o.pid
+            if t in _NOT_STORAGES:
+                return None
             if isinstance(o, torch.storage.TypedStorage):
-                return ("storage", getattr(torch, o._pickle_storage_type()), storage_key(o._untyped_storage), "cpu", o._size())
+                key = storage_key(o._untyped_storage)
+                dtypes[key] = o.dtype
+                return ("storage", getattr(torch, o._pickle_storage_type()), key, "cpu", o._size())
             if isinstance(o, torch.UntypedStorage):
                 return ("storage", torch.UntypedStorage, storage_key(o), "cpu", o.nbytes())
             return None
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(obj)
-    return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()))
+    return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()), dtypes=dtypes)
 
 
 def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = None, records: Any = None) -> None:
@@ -162,8 +177,11 @@ def write_pt(plan: PtPlan, sink: Sink, dtypes: dict[str, torch.dtype] | None = N
 def storage_view(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a CPU tensor's whole storage."""
     storage = t.untyped_storage()
-    if storage.nbytes() == 0:
+    nbytes = storage.nbytes()
+    if nbytes == 0:
         return memoryview(b"")
+    if t.dtype == torch.uint8 and t.storage_offset() == 0 and t.numel() == nbytes and t.is_contiguous():
+        return byte_view(t)  # already the whole storage (plan_pt's record holders)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     return byte_view(flat)
 

@@ -312,16 +312,3 @@ def copy_tree(obj: Any, on_tensor: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def resolve_deferred(obj: Any) -> Any:
-    """Turn DeferredScalars (whose tensors are staged CPU copies by now) into Python numbers."""
-    if isinstance(obj, DeferredScalar):
-        return obj.as_type(obj.tensor.item())
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, resolve_deferred(v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: resolve_deferred(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [resolve_deferred(v) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(resolve_deferred(v) for v in obj)
-    return obj
