@@ -148,19 +148,41 @@ def _check_step(step_dir: Path, model: torch.nn.Module, step: int) -> None:
         assert torch.equal(weights[k], v) and weights[k].stride() == v.stride(), k
 
 
-@pytest.mark.parametrize("persist", ["gentle", "fast"])
-def test_persist_setting_chooses_the_lanes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: str) -> None:
-    from checkpointd import ptlayout
+@pytest.fixture(params=["tmp_path", "dev_shm"])
+def write_root(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """tmp_path (whatever filesystem it is on) and a directory on /dev/shm (tmpfs: the mapped path)."""
+    from checkpointd import fsinfo
 
+    if request.param == "tmp_path":
+        yield tmp_path
+        return
+    shm = Path("/dev/shm")
+    if fsinfo.filesystem_type(str(shm)) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    root = shm / f"ckd-persist-test-{os.getpid()}"
+    yield root
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("persist", ["gentle", "fast"])
+def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: pytest.MonkeyPatch, persist: str) -> None:
+    """fast: every I/O thread on each file where the file is mapped (tmpfs); positional writes keep 4."""
+    from checkpointd import fsinfo, ptlayout
+
+    monkeypatch.delenv("CHECKPOINTD_WRITE_MODE", raising=False)
     monkeypatch.setenv(ptlayout.FAST_PERSIST_ENV, persist)
     monkeypatch.setenv("CHECKPOINTD_IO_THREADS", "6")
     fast, lanes = _spy_writes(monkeypatch)
     model = _model()
-    with CheckpointManager(tmp_path, {"model": model}, compression=None) as mgr:
+    with CheckpointManager(write_root, {"model": model}, compression=None) as mgr:
         mgr.save(4)
     assert fast and all(f == (persist == "fast") for f in fast)
-    assert (6 if persist == "fast" else ptlayout.write_lanes()) in lanes
-    _check_step(tmp_path / "step-000000004", model, 4)
+    mapped = persist == "fast" and fsinfo.is_memory_backed(fsinfo.filesystem_type(str(write_root)))
+    assert (6 if mapped else ptlayout.write_lanes()) in lanes
+    assert (6 in lanes) == mapped
+    _check_step(write_root / "step-000000004", model, 4)
 
 
 def test_a_preemption_save_is_written_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
