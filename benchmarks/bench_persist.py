@@ -137,8 +137,14 @@ def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes:
     knobs = METHOD_ENV.get(method, {})
     if knobs:
         row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))
-    saved_env = {k: os.environ.get(k) for k in knobs}
-    os.environ.update(knobs)
+    with C.env_set(knobs):
+        _timed_saves(row, d, args, dev, model, opt, kw)
+    shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def _timed_saves(row: dict, d: str, args, dev: C.Dev, model, opt, kw: dict) -> None:
+    """--repeat saves of one manager on ``d``, each from maybe_save until wait() returns, into ``row``."""
     mgr = None
     try:
         t0 = time.perf_counter()
@@ -179,13 +185,6 @@ def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes:
                 mgr.close()
             except Exception as e:  # noqa: BLE001
                 row["notes"].append("close: " + C.error_text(e))
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    shutil.rmtree(d, ignore_errors=True)
-    return row
 
 
 def summarise(res: dict) -> str:

@@ -180,23 +180,17 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
             t0 = time.perf_counter()
             mgr = C.make_manager(d, {"model": model, "optim": opt}, **kw)
             row.setdefault("setup_s", []).append(time.perf_counter() - t0)
-            saved_env = {k: os.environ.get(k) for k in knobs}
-            os.environ.update(knobs)
             try:
-                dev.sync()
-                t0 = time.perf_counter()
-                step = mgr.restore_latest()
-                dev.sync()
+                with C.env_set(knobs):
+                    dev.sync()
+                    t0 = time.perf_counter()
+                    step = mgr.restore_latest()
+                    dev.sync()
                 row["times_s"].append(time.perf_counter() - t0)
                 if step != 1:
                     row["notes"].append(f"restore_latest() returned {step!r}, expected 1")
                 row["stats"] = C.safe_stats(mgr)
             finally:
-                for k, v in saved_env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
                 mgr.close()
         row["ok"] = check(model, opt, ref)
     except Exception as e:  # noqa: BLE001

@@ -116,18 +116,22 @@ class DcpAsync(Saver):
             self.staging.result()
             self.staging = None
 
-    def save(self, step):
-        self._drain()  # at most one in flight, as max_pending=1
-        t0 = time.perf_counter()
-        d = os.path.join(self.b.dir, f"s{step}")
+    def _async_save(self, d: str) -> Any:
+        """Start DCP's async_save of the model and optimizer into ``d``; its return value."""
         sd = {"model": self.b.model.state_dict(), "optim": self.b.opt.state_dict()}
         try:
-            r = self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
+            return self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
         except (RuntimeError, ValueError, AssertionError) as e:
             if "process group" not in str(e).lower():
                 raise
             self.notes.append(C.init_single_rank_group(self.b.dev.cuda))  # as the reference does, if needed
-            r = self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
+            return self.dcp.async_save(sd, checkpoint_id=d, no_dist=True, **self.kw)
+
+    def save(self, step):
+        self._drain()  # at most one in flight, as max_pending=1
+        t0 = time.perf_counter()
+        d = os.path.join(self.b.dir, f"s{step}")
+        r = self._async_save(d)
         if hasattr(r, "staging_completion"):
             self.staging = r.staging_completion
             fut = r.upload_completion

@@ -152,18 +152,9 @@ class DistDcpAsync(S.DcpAsync):
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
         self.get_state_dict = get_state_dict
 
-    def save(self, step):
-        self._drain()  # at most one in flight, as max_pending=1
-        t0 = time.perf_counter()
-        d = os.path.join(self.b.dir, f"s{step}")
+    def _async_save(self, d):
         msd, osd = self.get_state_dict(self.b.model, self.b.opt)
-        r = self.dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=self.b.ctx.dcp, **self.kw)
-        if hasattr(r, "staging_completion"):
-            self.staging = r.staging_completion
-            fut = r.upload_completion
-        else:
-            fut = r
-        self.pending = (fut, t0, d)
+        return self.dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=self.b.ctx.dcp, **self.kw)
 
 
 class DistDcpAsyncPinned(DistDcpAsync):

@@ -12,6 +12,7 @@ with a printed note if the constructor does not accept them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import inspect
@@ -22,7 +23,7 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -497,6 +498,21 @@ def timed(fn: Callable[[], Any], dev: Dev | None = None) -> tuple[float, Any]:
     if dev is not None:
         dev.sync()
     return time.perf_counter() - t0, r
+
+
+@contextlib.contextmanager
+def env_set(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables (a library knob a benchmark row compares) and put them back after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def collect() -> None:

@@ -13,6 +13,7 @@ python3 benchmarks/diagnose_writer_start.py --state-gb 5 --scen none,pwrite:16:1
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -117,14 +118,10 @@ def bg_pwrite(buf: torch.Tensor, threads: int, files: int, root: str, nice: int)
     def run():
         worker()
         ends.append(time.perf_counter())
-    ths = [threading.Thread(target=run) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
+    wait, t0 = _start_threads([run] * threads)
 
     def join():
-        for t in ths:
-            t.join()
+        wait()
         dt = max(ends) - t0
         for fd in fds:
             os.close(fd)
@@ -132,6 +129,19 @@ def bg_pwrite(buf: torch.Tensor, threads: int, files: int, root: str, nice: int)
             os.unlink(os.path.join(root, f"f{i}"))
         return n / dt / 1e9
     return join
+
+
+def _start_threads(targets):
+    """Start one thread per target; returns (a function that joins them all, the start time)."""
+    ths = [threading.Thread(target=fn) for fn in targets]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+
+    def wait():
+        for t in ths:
+            t.join()
+    return wait, t0
 
 
 def bg_crc(buf, threads):
@@ -142,14 +152,10 @@ def bg_crc(buf, threads):
     def worker(i):
         for pos in range(i * per, (i + 1) * per, 1 << 20):
             zlib.crc32(mv[pos:pos + (1 << 20)])
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
+    wait, t0 = _start_threads([functools.partial(worker, i) for i in range(threads)])
 
     def join():
-        for t in ths:
-            t.join()
+        wait()
         return n / (time.perf_counter() - t0) / 1e9
     return join
 

@@ -164,3 +164,33 @@ def test_write_lanes_come_from_the_environment(monkeypatch) -> None:
     assert ptlayout.write_lanes() == 1
     monkeypatch.setenv(ptlayout.WRITE_LANES_ENV, "junk")
     assert ptlayout.write_lanes() == 4
+
+
+def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(tmp_path, monkeypatch) -> None:
+    """A GradScaler's scale lives in the training-state file: the model file is pickled ahead, once;
+    the training-state file after the copies, and the scale saved is the live one."""
+    import checkpointd.savejob as savejob_mod
+    import checkpointd.state as state_mod
+
+    def scaler_state_dict(scaler):  # as on CUDA: the scale is read from the staged copy, not with .item()
+        return {**scaler.state_dict(), "scale": state_mod.DeferredScalar(scaler._scale, float)}
+    monkeypatch.setattr(state_mod, "scaler_state_dict", scaler_state_dict)
+    calls = []
+    inner = savejob_mod.plan_pt
+
+    def plan_pt(tree, **kw):
+        calls.append(sorted(tree) if isinstance(tree, dict) else type(tree).__name__)
+        return inner(tree, **kw)
+    monkeypatch.setattr(savejob_mod, "plan_pt", plan_pt)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()  # the scale is now a tensor (a DeferredScalar)
+    scaler.step(opt)
+    scaler.update()
+    scale = scaler.get_scale()
+    with CheckpointManager(tmp_path, {"model": model, "optimizer": opt, "scaler": scaler}, compression=None) as mgr:
+        mgr.save(1)
+    assert len(calls) == 2, calls  # each file pickled exactly once
+    ckpt = torch.load(tmp_path / "step-000000001" / "checkpoint.0.1.pt", weights_only=True)
+    assert ckpt["scaler_state_dict"]["scale"] == scale

@@ -271,17 +271,13 @@ class _CoreModule:
     Unpickler: type
 
 
-_CORE_MODULE: list[Any] = []
-
-
+@functools.cache
 def _core_globals_module() -> Any:
     """A ``pickle_module`` for ``torch.serialization._load`` whose ``Unpickler`` admits only core globals.
 
     Every admitted global is checked to be on torch's weights-only allow-list (so this path accepts a
     subset of what ``torch.load(weights_only=True)`` accepts); None if torch's list cannot be read.
     """
-    if _CORE_MODULE:
-        return _CORE_MODULE[0]
     module: Any = None
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -308,7 +304,6 @@ def _core_globals_module() -> Any:
         module.Unpickler = _CoreGlobalsUnpickler
     except Exception as exc:  # noqa: BLE001 - private torch API moved: torch's own unpickler only
         logger.debug("weights-only allow-list unavailable (%r); using torch's unpickler only", exc)
-    _CORE_MODULE.append(module)
     return module
 
 

@@ -130,12 +130,13 @@ def stage_save(
                                                           step_dir, clear_step_dir)
         return job
 
+    planned: list[FileJob] = []  # files pickled so far, in order (kept when planning ahead stops early)
+
     def plan_files(copied: bool = True) -> None:  # committer thread
-        """Pickle every file; ``copied=False``: give up (planning later) if a value must be copied first."""
+        """Pickle every file; ``copied=False``: stop (the rest is planned later) where a value must be copied first."""
         if job.files:
             return
-        planned = []
-        for f, skeleton in zip(files, skeletons):
+        for f, skeleton in list(zip(files, skeletons))[len(planned):]:
             try:
                 tree = _fill_slots(skeleton, staged, copied)
             except _NeedsCopiedValue:

@@ -43,8 +43,6 @@ class FileJob:
     """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
     image: Any = None
     """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
-    fast: bool = False
-    """Write at full speed rather than gently beside training (``ptlayout.FAST_PERSIST_ENV``)."""
 
 
 @dataclass
@@ -152,9 +150,7 @@ class BackgroundWriter(SerialWorker):
         error: BaseException | None = None
         stream = job.stream
         try:
-            for f in job.files:
-                f.fast = job.fast
-            futures = [self._pool.submit(self._write_file_task, job.step_dir, f, stream) for f in job.files]
+            futures = [self._pool.submit(self._write_file_task, job.step_dir, f, stream, job.fast) for f in job.files]
             if stream is not None:
                 try:
                     stream.produce()
@@ -180,16 +176,13 @@ class BackgroundWriter(SerialWorker):
             return self.retry.call(fn, *args, describe=getattr(fn, "__name__", "storage call"))
         return fn(*args)
 
-    def _write_file_with_retry(self, step_dir: str, fjob: FileJob) -> FileEntry:
-        return self._call(write_one_file, self.store, self.codec, step_dir, fjob)
-
-    def _write_file_task(self, step_dir: str, fjob: FileJob, stream: Any) -> FileEntry:
+    def _write_file_task(self, step_dir: str, fjob: FileJob, stream: Any, fast: bool) -> FileEntry:
         """One file on a pool thread. Streamed files (host budget) get one attempt: their bytes are gone
         once written, so a failure aborts the stream (and the save) instead of retrying."""
         if fjob.records is None:
-            return self._write_file_with_retry(step_dir, fjob)
+            return self._call(write_one_file, self.store, self.codec, step_dir, fjob, fast)
         try:
-            return write_one_file(self.store, self.codec, step_dir, fjob)
+            return write_one_file(self.store, self.codec, step_dir, fjob, fast)
         except BaseException as exc:
             stream.abort(exc)
             raise
@@ -261,15 +254,17 @@ class _CountingSink:
         return n
 
 
-def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob) -> FileEntry:
+def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast: bool = False) -> FileEntry:
     """Stream one file to storage; returns its manifest entry. Runs on a pool thread.
+
+    ``fast``: write at full speed rather than gently beside training (``ptlayout.FAST_PERSIST_ENV``).
 
     A failed attempt discards the partial object (never visible as complete on object stores; an
     uncommitted partial local file is removed by retention or the next attempt).
     """
     rel = layout.join(step_dir, fjob.rel_path)
     if parallel_write_applies(store, codec, fjob):
-        return _write_parallel(store, rel, codec, fjob)
+        return _write_parallel(store, rel, codec, fjob, fast)
     raw = store.open_write(rel)
     try:
         checked = ChecksumWriter(raw)
@@ -306,7 +301,7 @@ def parallel_write_applies(store: Store, codec: Any, fjob: FileJob) -> bool:
     )
 
 
-def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEntry:
+def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: bool) -> FileEntry:
     """Lay the zip out in advance and write it with ``os.pwrite`` from the shared I/O pool.
 
     The manifest checksum (CRC-32 of the file as stored) is combined from the CRCs that the writing
@@ -319,7 +314,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEn
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fjob.fast)
+                                 fast=fast)
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 
