@@ -7,10 +7,13 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
 - raw: the same tensor bytes written with os.pwrite (64 MiB chunks) from several threads into one file
   and into several files, fsync'd; every thread count of --raw-threads; the best is the ceiling "raw";
 - torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
-- checkpointd / checkpointd_fast / checkpointd_zstd: time from maybe_save(step, force=True) until wait()
-  returns (checkpointd_fast: CHECKPOINTD_PERSIST=fast, the full-speed writes a preemption save uses; the
-  default writes gently beside training, see bench_stall.py for what each costs the training steps) (the
-  checkpoint is committed and durable); the targets apply to this. For diagnosis, also the time until
+- checkpointd / checkpointd_fast / checkpointd_threads / checkpointd_zstd: time from
+  maybe_save(step, force=True) until wait() returns (the checkpoint is committed and durable); the
+  targets apply to this. The default writes the tensor records from the persist process
+  (checkpointd.persist_process). checkpointd_threads: CHECKPOINTD_PERSIST_PROCESS=0, the records written
+  by threads of this process, gently (4 pwrite lanes a file); checkpointd_fast: CHECKPOINTD_PERSIST=fast,
+  which changes only the in-process writes (what a preemption save uses without the process). See
+  bench_stall.py for what each costs the training steps. For diagnosis, also the time until
   wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
   snapshot": the persist alone, if the writer does not overlap the snapshot).
 
@@ -36,8 +39,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_fast", "checkpointd_zstd"]
-METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"}}
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_fast", "checkpointd_threads", "checkpointd_zstd"]
+METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
+              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
 
 

@@ -23,6 +23,7 @@ Run:  python benchmarks/bench_stall.py [--state-gb 5] [--methods none,checkpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -38,7 +39,7 @@ import common as C  # noqa: E402
 WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
-               "checkpointd_device", "checkpointd_host25"]
+               "checkpointd_device", "checkpointd_host25", "checkpointd_threads"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
@@ -231,12 +232,30 @@ class CheckpointdHost25(Checkpointd):
         return {"host_staging_budget_bytes": budget}
 
 
+class CheckpointdThreads(Checkpointd):
+    """checkpointd with the persist process turned off (``CHECKPOINTD_PERSIST_PROCESS=0``): staging in
+    private memory, files written by threads of the training process (the design before session 5)."""
+
+    name = "checkpointd_threads"
+
+    def setup(self):
+        self._env = contextlib.ExitStack()
+        self._env.enter_context(C.env_set({"CHECKPOINTD_PERSIST_PROCESS": "0"}))
+        super().setup()
+
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            self._env.close()
+
+
 class SkipMethod(Exception):
     pass
 
 
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
-                              CheckpointdDevice, CheckpointdHost25]}
+                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads]}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class ChunkRing:
 
         self.chunk_bytes = chunk_bytes
         self.n_chunks = n_chunks
-        self._arena = StagingArena([((chunk_bytes,), (1,), torch.uint8)] * n_chunks, pin=pin)
+        self._arena = StagingArena([((chunk_bytes,), (1,), torch.uint8)] * n_chunks, pin=pin, shared=False)
         self.nbytes = self._arena.nbytes
         self.pinned = self._arena.pinned
         self.buffers: list[torch.Tensor] = list(self._arena.buffers)

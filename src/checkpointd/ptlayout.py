@@ -43,6 +43,7 @@ exercise them without 4 GiB files).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -54,6 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .crc import crc32, crc32_combine
+
+logger = logging.getLogger("checkpointd")
 
 ZIP64_LIMIT = 0xFFFFFFFF
 """Sizes and offsets at or above this go to zip64 extra fields (the format's own limit)."""
@@ -542,9 +545,12 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     deferred = [p for p in data if isinstance(p.data, Deferred)]
     if deferred and fill is None:
         raise ValueError("ptlayout: the image has deferred members but no fill was given")
-    tasks = plan_tasks([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes)
+    shared = _SharedPieces([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes)
+    tasks, local = shared.tasks + shared.local, shared.local
     mapped = None
     chosen = _resolve_mode(mode, fd) if mode is not None else (_resolve_mode("auto", fd) if fast else write_mode(fd))
+    if shared.process is not None:
+        chosen = "pwrite"  # the process fills the records; here only what is not staged (the pickle, headers)
     if chosen == "mmap" and img.end > 0:
         import numpy as np
 
@@ -565,17 +571,24 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task])
 
+    remote = shared.submit(fd, img.end, mode) if shared.process is not None else None
     try:
         # Every thread on one file only into a mapping: positional writes to one file serialise on its
         # inode lock, and 16 threads wrote one tmpfs file slower than 4 (see write_lanes).
         lanes = io_threads() if fast and mapped is not None else write_lanes()
-        results = run_tasks([make(t) for t in tasks], executor, lanes=lanes)
+        done = dict(zip(map(id, local), run_tasks([make(t) for t in local], executor, lanes=lanes)))
+        if remote is not None:
+            done.update(shared.finish(remote, lambda ts: run_tasks([make(t) for t in ts], executor, lanes=lanes)))
+            remote = None
         if deferred:
             _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put))  # type: ignore[misc]
     finally:
+        if remote is not None:  # a local failure: let the process finish with the file before it is removed
+            remote.exception()
         if mapped is not None:
             del dest, put, make
             mapped.close()  # unmapped: the pages are in the file's page cache; fsync makes them durable
+    results = [done[id(t)] for t in tasks]
     for task, crcs in zip(tasks, results):
         for (p, a, b), crc in zip(task, crcs):
             p.crc = crc if p.crc is None or a == 0 else crc32_combine(p.crc, crc, b - a)
@@ -590,6 +603,64 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         crc = crc32_combine(crc, p.crc, p.length)  # type: ignore[arg-type]
     raw = sum(p.length for p in data)
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
+
+
+
+class _SharedPieces:
+    """Splits a file's staged pieces: those in shared staging memory go to the persist process.
+
+    ``tasks`` (those pieces, in write tasks) are written by the process; ``local`` (the pickle, small
+    members, anything not staged in a shared slab) by this process's threads. Without a persist
+    process every piece is local.
+    """
+
+    def __init__(self, pieces: list[Piece], chunk_bytes: int) -> None:
+        from . import persist_process, sharedmem
+
+        self.process = None
+        self.tasks: list[list[tuple[Piece, int, int]]] = []
+        self.slabs: dict[int, Any] = {}
+        where: dict[int, tuple[Any, int]] = {}
+        if sharedmem.supported():
+            for p in pieces:
+                found = sharedmem.locate(p.data) if p.length >= LARGE_RECORD_BYTES else None
+                if found is not None:
+                    where[id(p)] = found
+                    self.slabs[found[0].id] = found[0]
+        if where:
+            self.process = persist_process.client()
+        if self.process is None:
+            self.local = plan_tasks(pieces, chunk_bytes)
+            return
+        self.tasks = plan_tasks([p for p in pieces if id(p) in where], chunk_bytes)
+        self.local = plan_tasks([p for p in pieces if id(p) not in where], chunk_bytes)
+        self.ranges = [[(p.offset + a, where[id(p)][0].id, where[id(p)][1] + a, b - a) for p, a, b in task]
+                       for task in self.tasks]
+
+    def submit(self, fd: int, end: int, mode: str | None) -> Any:
+        """Send the tasks; ``mode`` as :func:`write_image`'s (None: a mapping on memory file systems)."""
+        from . import persist_process
+
+        chosen = _resolve_mode(mode if mode is not None else os.environ.get("CHECKPOINTD_WRITE_MODE", "auto").strip().lower(), fd)
+        lanes = io_threads() if chosen == "mmap" else write_lanes()
+        assert self.process is not None
+        try:
+            return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()))
+        except persist_process.PersistProcessError as exc:
+            failed: Future[Any] = Future()
+            failed.set_exception(exc)
+            return failed
+
+    def finish(self, future: Any, run_here: Callable[[list[list[tuple[Piece, int, int]]]], list[Any]]) -> dict[int, Any]:
+        """The tasks' CRCs by ``id(task)``; written by ``run_here`` if the process could not."""
+        from . import persist_process
+
+        try:
+            crcs = future.result()
+        except persist_process.PersistProcessError as exc:
+            logger.warning("checkpointd: %s; writing those bytes from this process", exc)
+            crcs = run_here(self.tasks)
+        return dict(zip(map(id, self.tasks), crcs))
 
 
 def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import sharedmem
 from .chunkstream import ChunkStream
 
 logger = logging.getLogger("checkpointd")
@@ -84,10 +85,29 @@ def _span_elems(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
+def _shared_slab(nbytes: int) -> "sharedmem.SharedSlab | None":
+    """A shared slab lent to the persist process (started here, off the training thread), or None."""
+    from . import persist_process
+
+    try:
+        slab = sharedmem.SharedSlab(nbytes)
+    except OSError as exc:
+        logger.warning("checkpointd: could not allocate %d bytes of shared staging memory (%s); using private memory", nbytes, exc)
+        return None
+    process = persist_process.client()
+    if process is not None:
+        try:
+            process.map_slab(slab)
+        except persist_process.PersistProcessError:
+            pass
+    return slab
+
+
 class StagingArena:
     """One host allocation holding a buffer for each tensor of a given layout signature."""
 
-    def __init__(self, specs: Sequence[TensorSpec], pin: bool) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], pin: bool, shared: bool | None = None) -> None:
+        """``shared``: in shared memory for the persist process (default: where it runs, see :mod:`checkpointd.sharedmem`)."""
         self.specs = tuple(specs)
         offsets, total = [], 0
         for shape, stride, dtype in self.specs:
@@ -95,10 +115,17 @@ class StagingArena:
             nbytes = _span_elems(shape, stride) * dtype.itemsize
             total += (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
         self.nbytes = total
-        self._slab = torch.empty(max(total, 1), dtype=torch.uint8)
+        self._shared = _shared_slab(total) if (sharedmem.supported() if shared is None else shared) and total else None
+        if self._shared is not None:
+            self._slab = torch.from_numpy(self._shared.array)
+        else:
+            self._slab = torch.empty(max(total, 1), dtype=torch.uint8)
         self.pinned = False
         self._registered_ptr: int | None = None
         if pin and total:
+            from .bulkcopy import release_pinned
+
+            release_pinned()  # a restore's bounce chunks go before an arena is pinned (the 1.05x budget)
             self.pinned = self._register_pinned()
         flat = self._slab.numpy()
         self.buffers: list[torch.Tensor] = []
@@ -131,6 +158,8 @@ class StagingArena:
             except Exception:  # pragma: no cover
                 pass
             self._registered_ptr = None
+        if self._shared is not None:
+            self._shared.release()
         self.buffers = []
 
 

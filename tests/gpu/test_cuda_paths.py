@@ -135,3 +135,29 @@ def test_device_staging_isolates_snapshot_without_waiting(tmp_path):
     for k, v in expected.items():
         assert torch.equal(saved["model"][k], v), k
     mgr.close()
+
+
+def test_persist_process_writes_pinned_shared_staging_bit_exact(tmp_path):
+    """CUDA staging arenas live in shared memory, page-locked, and the persist process writes them."""
+    from checkpointd import persist_process, sharedmem
+
+    if not sharedmem.supported():
+        pytest.skip("shared staging needs Linux memfd_create")
+    model = _big_model(1024, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    _train_step(model, opt)
+    with CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        process = persist_process.client()
+        assert process is not None and process.alive
+        done = process.writes_done
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        mgr.save(2)
+        _train_step(model, opt)  # modifies everything right after the save point
+        mgr.wait()
+        assert process.writes_done >= done + 2
+        assert mgr.stats()["pinned_bytes"] > 0
+    restored = load(tmp_path, step=2)["model"]
+    for k, v in expected.items():
+        assert torch.equal(restored[k], v), k

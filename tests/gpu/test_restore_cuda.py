@@ -129,3 +129,18 @@ def test_bounce_copies_dtype_cast_and_layout_change() -> None:
     assert torch.equal(dst_cl.cpu(), src) and dst_cl.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(dst_bf.cpu(), src.to(torch.bfloat16))
     assert torch.equal(big_dst.cpu(), big_src)
+
+
+def test_bounce_pool_is_unpinned_before_the_next_save_pins_its_arena(saved, monkeypatch) -> None:
+    """Pinned memory after a resume stays the staging arena's (issue 6: at most 1.05x the state)."""
+    root, ref_model, ref_opt = saved
+    monkeypatch.setenv(bulkcopy.H2D_ENV, "bounce")
+    model, opt = _trained()
+    with CheckpointManager(root, {"model": model, "optim": opt}, compression=None) as mgr:
+        assert mgr.restore_latest() == 1
+        assert bulkcopy._pools, "the restore went through the bounce pool"  # (its chunks may be gone already)
+        model(torch.randn(2, 3, 32, 32, device="cuda")).square().mean().backward()
+        opt.step()
+        mgr.save(2)
+        mgr.wait()
+        assert all(p.pinned is None for p in bulkcopy._pools.values()), "bounce chunks still pinned after the save"

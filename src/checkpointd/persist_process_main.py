@@ -1,0 +1,270 @@
+"""The persist process itself: copies staged bytes from shared slabs into checkpoint files.
+
+Started by :mod:`checkpointd.persist_process` as ``python -P persist_process_main.py SOCKET_FD THREADS
+NICE SLICE``. It imports no torch and nothing of the package but :mod:`checkpointd.crc` (loaded by path),
+so it starts in tens of milliseconds and holds little memory. It runs at a lower CPU priority than the
+training process, and its threads' GIL, page faults and memory-map lock are its own: that is the point.
+
+Messages on the socket are ``marshal``-encoded tuples behind an 8-byte length (descriptors ride along
+as ``SCM_RIGHTS``). Requests:
+
+- ``("map", slab_id, nbytes)`` + the slab's memfd: map it (kept until ``unmap``);
+- ``("unmap", slab_id)``;
+- ``("write", request_id, end, mode, lanes, tasks)`` + the open file: put every range of ``tasks`` (lists
+  of ``(file_offset, slab_id, slab_offset, length)``) into the file, by ``pwrite`` or through a mapping
+  of it (``mode`` ``mmap``; each range's pages are reserved before the copy, so a full disk is ENOSPC,
+  never SIGBUS: see :class:`_Reserver`), ``lanes`` tasks at a time, computing each range's CRC-32 slice by slice
+  just before the slice is put. Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
+  errno, text)`` or ``("error", request_id, text)``.
+
+The process exits when the socket closes (its parent exited or closed it) or on ``("exit",)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib.util
+import marshal
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+HEADER = struct.Struct("<Q")
+MAX_FDS = 4
+
+
+def send_message(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> None:
+    """One message: the length, then the ``marshal`` payload; ``fds`` travel with its first byte."""
+    payload = marshal.dumps(message)
+    data = HEADER.pack(len(payload)) + payload
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+    sent = sock.sendmsg([data], anc)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def receive_message(sock: socket.socket) -> tuple[tuple | None, list[int]]:
+    """The next message and the descriptors sent with it; ``(None, [])`` at end of stream."""
+    fds: list[int] = []
+    head = b""
+    while len(head) < HEADER.size:
+        data, anc, _flags, _addr = sock.recvmsg(HEADER.size - len(head), socket.CMSG_SPACE(MAX_FDS * 4))
+        for level, kind, blob in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(blob) - len(blob) % 4
+                fds.extend(struct.unpack(f"{usable // 4}i", blob[:usable]))
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        head += data
+    (size,) = HEADER.unpack(head)
+    body = bytearray(size)
+    view = memoryview(body)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        got += n
+    return marshal.loads(bytes(body)), fds
+
+
+def _load_crc32() -> Callable[..., int]:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crc.py")
+    spec = importlib.util.spec_from_file_location("_checkpointd_persist_crc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.crc32
+
+
+class _Slab:
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.mapping)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+        self.nbytes = nbytes
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+PAGE = mmap.PAGESIZE
+
+
+class _Reserver:
+    """Backs a range of the file mapping with pages before it is copied into, without SIGBUS on a full disk.
+
+    ``MADV_POPULATE_WRITE`` (Linux 5.14+) allocates the range's pages (tmpfs: allocated and zeroed) on the
+    calling thread and fails with EFAULT/ENOMEM where touching them would raise SIGBUS, so every lane
+    reserves its own ranges in parallel. Where the kernel lacks it, the whole file is reserved once with
+    ``posix_fallocate`` (one thread: on tmpfs that zeroes every page of the file serially).
+    """
+
+    def __init__(self, fd: int, end: int, mapped: mmap.mmap) -> None:
+        self.fd, self.end, self.mapped = fd, end, mapped
+        self.lock = threading.Lock()
+        self.whole_file = False
+
+    def __call__(self, offset: int, n: int) -> None:
+        if self.whole_file:
+            return
+        start = offset - offset % PAGE
+        stop = min(self.end, offset + n)
+        try:
+            self.mapped.madvise(MADV_POPULATE_WRITE, start, stop - start)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                raise OSError(errno.ENOSPC, f"no space for [{start}, {stop}) of the file (populating its pages failed: {exc})") from exc
+            if exc.errno != errno.EINVAL:
+                raise
+        with self.lock:  # no MADV_POPULATE_WRITE here: reserve everything once, ENOSPC rather than SIGBUS
+            if not self.whole_file:
+                os.posix_fallocate(self.fd, 0, self.end)
+                self.whole_file = True
+
+
+class Server:
+    def __init__(self, sock: socket.socket, threads: int, slice_bytes: int) -> None:
+        self.sock = sock
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="persist")
+        self.slice = max(4096, slice_bytes)
+        self.slabs: dict[int, _Slab] = {}
+        self.send_lock = threading.Lock()
+        self.crc32 = _load_crc32()
+
+    def reply(self, message: tuple) -> None:
+        with self.send_lock:
+            send_message(self.sock, message)
+
+    def serve(self) -> None:
+        while True:
+            message, fds = receive_message(self.sock)
+            if message is None or message[0] == "exit":
+                return
+            kind = message[0]
+            if kind == "map":
+                slab_id, nbytes = message[1], message[2]
+                try:
+                    self.slabs[slab_id] = _Slab(fds[0], nbytes)
+                except (OSError, ValueError):
+                    pass  # writes that name this slab fail with "not mapped"; the requester writes them itself
+                finally:
+                    os.close(fds[0])
+            elif kind == "unmap":
+                self.slabs.pop(message[1], None)  # unmapped when the last task using it lets go
+            elif kind == "write":
+                threading.Thread(target=self.write, args=(message, fds[0]), daemon=True).start()
+
+    def write(self, message: tuple, fd: int) -> None:
+        _kind, request_id, end, mode, lanes, tasks = message
+        try:
+            crcs = self._write(fd, end, mode, lanes, tasks)
+        except OSError as exc:
+            self.reply(("oserror", request_id, exc.errno or 0, str(exc)))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the requester
+            self.reply(("error", request_id, f"{type(exc).__name__}: {exc}"))
+        else:
+            self.reply(("ok", request_id, crcs))
+        finally:
+            os.close(fd)
+
+    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list) -> list[list[int]]:
+        mapped = None
+        if mode == "mmap" and end > 0:
+            mapped = mmap.mmap(fd, end, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            if mapped is not None:
+                anchor = ctypes.c_char.from_buffer(mapped)
+                base = ctypes.addressof(anchor)
+                reserve = _Reserver(fd, end, mapped)
+
+                def put(slab: _Slab, start: int, n: int, offset: int) -> None:
+                    reserve(offset, n)
+                    ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
+            else:
+                def put(slab: _Slab, start: int, n: int, offset: int) -> None:
+                    view = slab.view[start:start + n]
+                    while n:
+                        done = os.pwrite(fd, view, offset)
+                        if done <= 0:
+                            raise OSError(f"pwrite wrote {done} bytes")
+                        view, n, offset = view[done:], n - done, offset + done
+
+            return self._run_lanes([self._task(t, put) for t in tasks], lanes)
+        finally:
+            if mapped is not None:
+                del anchor
+                mapped.close()
+
+    def _task(self, task: list, put: Callable[[_Slab, int, int, int], None]) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            crcs = []
+            for offset, slab_id, start, length in task:
+                slab = self.slabs.get(slab_id)
+                if slab is None or start + length > slab.nbytes:
+                    raise ValueError(f"slab {slab_id} is not mapped or too small for [{start}, {start + length})")
+                crc = 0
+                for pos in range(0, length, self.slice):
+                    n = min(self.slice, length - pos)
+                    crc = self.crc32(slab.view[start + pos:start + pos + n], crc)
+                    put(slab, start + pos, n, offset + pos)
+                crcs.append(crc)
+            return crcs
+        return run
+
+    def _run_lanes(self, fns: list[Callable[[], Any]], lanes: int) -> list[Any]:
+        results: list[Any] = [None] * len(fns)
+        lock = threading.Lock()
+        state = {"next": 0, "failed": False}
+
+        def lane() -> None:
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= len(fns) or state["failed"]:
+                        return
+                    state["next"] = i + 1
+                try:
+                    results[i] = fns[i]()
+                except BaseException:
+                    state["failed"] = True
+                    raise
+
+        futures = [self.pool.submit(lane) for _ in range(max(1, min(lanes, len(fns))))]
+        error: BaseException | None = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - keep the first, wait for every lane
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+
+def main(argv: list[str]) -> int:
+    sock_fd, threads, nice, slice_bytes = (int(a) for a in argv[1:5])
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        Server(sock, threads, slice_bytes).serve()
+    finally:
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,211 @@
+"""The persist process: staged tensor bytes reach their files from a separate process, bit-exact, and a
+process that is gone or fails never loses a checkpoint (its bytes are written in-process instead)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, load, persist_process, sharedmem
+from checkpointd.manifest import Manifest
+
+pytestmark = pytest.mark.skipif(not sharedmem.supported(), reason="shared staging needs Linux memfd_create")
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.Flatten(), torch.nn.Linear(32 * 30 * 30, 64))
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def _check_step(root: Path, step: int, state: dict[str, Any]) -> None:
+    step_dir = root / f"step-{step:09d}"
+    manifest = Manifest.from_json((step_dir / "manifest.json").read_bytes())
+    for entry in manifest.files:
+        data = (step_dir / entry.path).read_bytes()
+        assert len(data) == entry.size
+        assert f"crc32:{zlib.crc32(data):08x}" == entry.checksum, entry.path
+    weights = torch.load(step_dir / f"Sequential.0.{step}.pt", weights_only=True)
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(weights[k], v) and weights[k].stride() == v.stride(), k
+    restored = load(root, step=step)
+    for k, v in state["optimizer"].state_dict()["state"][0].items():
+        assert torch.equal(restored["optimizer"]["state"][0][k], v), k
+
+
+def test_saves_are_written_by_the_process(tmp_path: Path) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, state, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        process = persist_process.client()
+        assert process is not None and process.alive
+        before = process.writes_done
+        mgr.save(2)
+        mgr.wait()
+        assert process.writes_done >= before + 2  # the model file and the optimizer file
+    _check_step(tmp_path, 1, state)
+    _check_step(tmp_path, 2, state)
+
+
+def test_a_killed_process_loses_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, state, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        process = persist_process.client()
+        assert process is not None
+        process.proc.send_signal(signal.SIGKILL)
+        process.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while process.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not process.alive
+        with torch.no_grad():
+            state["model"][2].weight.add_(1.0)
+        mgr.save(2)  # a new process is started for the next arena or file; either way the step lands
+        mgr.wait()
+    _check_step(tmp_path, 2, state)
+    assert "persist process is gone" in caplog.text
+
+
+def test_a_failed_request_is_written_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        failed: Future[Any] = Future()
+        failed.set_exception(persist_process.PersistProcessError("persist process: refused for the test"))
+        return failed
+
+    monkeypatch.setattr(persist_process.PersistProcess, "submit_write", refuse)
+    state = _state()
+    with CheckpointManager(tmp_path, state, compression=None) as mgr:
+        mgr.save(4)
+    _check_step(tmp_path, 4, state)
+    assert "refused for the test" in caplog.text
+
+
+def test_write_errors_come_back_with_their_errno(tmp_path: Path) -> None:
+    process = persist_process.client()
+    assert process is not None
+    slab = sharedmem.SharedSlab(1 << 20)
+    try:
+        path = tmp_path / "readonly.bin"
+        path.write_bytes(b"")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            future = process.submit_write(fd, 1 << 20, "pwrite", 2, [[(0, slab.id, 0, 1 << 20)]], [slab])
+            with pytest.raises(OSError) as info:
+                future.result(timeout=30)
+            assert info.value.errno == errno.EBADF
+        finally:
+            os.close(fd)
+        # a slab the process was never given is an error of the request, not a crash of the process
+        other = sharedmem.SharedSlab(4096)
+        try:
+            fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT)
+            try:
+                future = process.submit_write(fd, 4096, "pwrite", 1, [[(0, other.id, 0, 4096)]], [])
+                with pytest.raises(persist_process.PersistProcessError, match="not mapped"):
+                    future.result(timeout=30)
+            finally:
+                os.close(fd)
+        finally:
+            other.release()
+        assert process.alive
+    finally:
+        slab.release()
+
+
+def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
+    process = persist_process.client()
+    assert process is not None
+    slab = sharedmem.SharedSlab(3 << 20)
+    try:
+        payload = os.urandom(3 << 20)
+        slab.array[:] = memoryview(payload)
+        for mode in ("pwrite", "mmap"):
+            path = tmp_path / f"{mode}.bin"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT)
+            try:
+                os.ftruncate(fd, 4 << 20)
+                tasks = [[(4096, slab.id, 0, 1 << 20)], [(4096 + (1 << 20), slab.id, 1 << 20, 2 << 20)]]
+                crcs = process.submit_write(fd, 4 << 20, mode, 2, tasks, [slab]).result(timeout=30)
+            finally:
+                os.close(fd)
+            data = path.read_bytes()
+            assert data[4096:4096 + (3 << 20)] == payload and data[:4096] == bytes(4096)
+            assert crcs == [[zlib.crc32(payload[: 1 << 20])], [zlib.crc32(payload[1 << 20:])]]
+    finally:
+        slab.release()
+
+
+def test_turned_off_nothing_is_shared_and_no_process_starts(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch
+        from checkpointd import CheckpointManager, persist_process, sharedmem
+        from checkpointd.snapshot import StagingArena
+        assert not sharedmem.supported()
+        arena = StagingArena([((1000,), (1,), torch.float32)], pin=False)
+        assert arena._shared is None
+        with CheckpointManager({str(tmp_path)!r}, {{"w": torch.randn(100000)}}, compression=None) as mgr:
+            mgr.save(1)
+        assert persist_process._client is None
+        print("ok")
+    """)
+    env = {**os.environ, "CHECKPOINTD_PERSIST_PROCESS": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_the_process_exits_with_its_parent(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import os, torch
+        from checkpointd import CheckpointManager, persist_process
+        with CheckpointManager({str(tmp_path)!r}, {{"w": torch.randn(100000)}}, compression=None) as mgr:
+            mgr.save(1)
+        print(persist_process.client().proc.pid, flush=True)
+        os._exit(0)  # no atexit: the closed socket alone must end the process
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # our grandchild is reparented; a zombie left for init still answers kill(0) briefly
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"persist process {pid} outlived its parent")
+
+
+def test_a_forked_child_does_not_use_the_parents_process() -> None:
+    assert persist_process.client() is not None
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(0 if persist_process._client is None else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert persist_process.client() is not None and persist_process.client().alive
