@@ -354,3 +354,27 @@ def test_planes_chunks_written_before_the_nibble_mode_still_decode() -> None:
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
+def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtype, monkeypatch) -> None:
+    """Blocks of ``_MERGE_BYTES`` (byte columns for 4-byte elements, the tree otherwise) join up exactly."""
+    import numpy as np
+
+    from checkpointd import compress_planes as kernels
+
+    monkeypatch.setattr(kernels, "_MERGE_BYTES", 4096)
+    values = torch.randn(10_007, generator=torch.Generator().manual_seed(5)) * 0.02
+    values[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
+    raw = values.to(dtype).view(torch.uint8).numpy().tobytes() + b"\x11"
+    itemsize = kernels.plane_itemsize(dtype)
+    expected = _reference_planes(raw[: len(raw) // itemsize * itemsize], itemsize)
+    assert [bytes(p) for p in kernels._to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
+    frame = b"".join(bytes(memoryview(p).cast("B")) for p in kernels.encode_chunk(memoryview(raw), dtype, 1))
+    decoded = np.zeros(len(raw), dtype=np.uint8)
+    kernels.decode_chunk_into(memoryview(frame), decoded)
+    assert decoded.tobytes() == raw
+    broken = bytearray(frame)
+    broken[-2] ^= 0x01  # inside the last plane (stored raw or compressed): the chunk CRC catches it
+    with pytest.raises(CorruptCheckpointError):
+        kernels.decode_chunk_into(memoryview(bytes(broken)), decoded)
