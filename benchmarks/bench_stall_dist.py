@@ -24,6 +24,7 @@ Methods (``--methods``, default ``none,checkpointd,dcp_async,none``):
 | ``checkpointd`` | ``CheckpointManager(dir, {"model", "optim"}, mode="sharded", compression=None, every_n_steps=EVERY, keep_last=1, max_pending=1)``, ``maybe_save(step)`` every step |
 | ``checkpointd_zstd`` | the same with ``compression="zstd"`` |
 | ``checkpointd_device`` | the same plus device staging (CUDA only; as ``bench_stall``) |
+| ``checkpointd_threads`` | ``checkpointd`` with ``CHECKPOINTD_PERSIST_PROCESS=0`` (files written by threads of the rank's process) |
 | ``dcp_async`` | ``dcp.async_save({"model": msd, "optim": osd}, process_group=<dedicated gloo group>)`` with ``msd, osd = get_state_dict(model, optim)`` in the timed call, default stager; the previous save is waited for first (``bench_stall``'s ``dcp_async``) |
 | ``dcp_async_pinned`` | the same with ``DefaultStager(StagingOptions(True, False, True, True))``, staging waited for before ``optimizer.step()`` |
 
@@ -141,6 +142,12 @@ class DistCheckpointdDevice(DistCheckpointd):
         return None if kw is None else {**kw, "mode": "sharded"}
 
 
+class DistCheckpointdThreads(S.CheckpointdThreads, DistCheckpointd):
+    """Sharded checkpointd with the persist process off (bench_stall's checkpointd_threads)."""
+
+    name = "checkpointd_threads"
+
+
 class DistDcpAsync(S.DcpAsync):
     """bench_stall's dcp_async: get_state_dict + async_save on a dedicated gloo group; one save in flight."""
 
@@ -163,7 +170,7 @@ class DistDcpAsyncPinned(DistDcpAsync):
 
 
 DIST_SAVERS = {c.name: c for c in [S.Saver, DistCheckpointd, DistCheckpointdZstd, DistCheckpointdDevice,
-                                   DistDcpAsync, DistDcpAsyncPinned]}
+                                   DistCheckpointdThreads, DistDcpAsync, DistDcpAsyncPinned]}
 # bench_stall.Bench.run looks its saver up in bench_stall.SAVERS: in this process, these replace them.
 S.SAVERS.clear()
 S.SAVERS.update(DIST_SAVERS)

@@ -85,7 +85,7 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
     env["DIST_TIMEOUT_S"] = "60"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", str(BENCH / "bench_stall_dist.py"), "--cpu", "--tiny",
-           "--every", "22", "--methods", "none,checkpointd,dcp_async,none", "--dir", str(tmp_path / "ckd"),
+           "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none", "--dir", str(tmp_path / "ckd"),
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, f"bench_stall_dist.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -96,7 +96,8 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
     assert all(len(x["stall_ms"]) == 3 and x["min"] <= x["mean"] <= x["max"] for x in per_rank)
     assert [x["rank"] for x in data["stall_by_rank"]["dcp_async"]] == [0, 1]
     for rk in data["ranks"]:
-        ckd = next(r for r in rk["runs"] if r["method"] == "checkpointd")
-        assert "error" not in ckd, ckd.get("error")
-        assert ckd["stats"]["saves_committed"] == 3
+        for method in ("checkpointd", "checkpointd_threads"):
+            ckd = next(r for r in rk["runs"] if r["method"] == method)
+            assert "error" not in ckd, ckd.get("error")
+            assert ckd["stats"]["saves_committed"] == 3
     assert "stall ms mean [min, max]" in proc.stdout

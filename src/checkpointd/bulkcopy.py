@@ -164,9 +164,9 @@ def release_pinned() -> None:
 
     Why: a restore happens once per process, at resume, and the staging arena pinned for the saves
     that follow is the state's size; keeping the pool as well would put pinned memory above the 1.05x
-    of the state that the training's host budget allows (20 % over for a 1.3 GB state). The snapshotter
-    calls this before it pins an arena, on its background thread (``cudaFreeHost`` waits for the
-    device); a later restore pins the pool again (~0.2 s).
+    of the state that the training's host budget allows (20 % over for a 1.3 GB state). The writer
+    calls this after each committed save, on its own thread (``cudaFreeHost`` waits for the device);
+    a later restore pins the pool again (~0.1-0.2 s).
     """
     released = False
     with _pools_lock:

@@ -123,9 +123,6 @@ class StagingArena:
         self.pinned = False
         self._registered_ptr: int | None = None
         if pin and total:
-            from .bulkcopy import release_pinned
-
-            release_pinned()  # a restore's bounce chunks go before an arena is pinned (the 1.05x budget)
             self.pinned = self._register_pinned()
         flat = self._slab.numpy()
         self.buffers: list[torch.Tensor] = []

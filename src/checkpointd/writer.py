@@ -125,6 +125,7 @@ class BackgroundWriter(SerialWorker):
         if job.after_commit is not None:
             job.after_commit(job)
         job.timings["retention_secs"] = time.perf_counter() - t3
+        _release_restore_pool()
 
     def plan_job(self, job: SaveJob) -> None:
         """Pickle the files and lay out their zip images ahead of the copies, where the job allows it."""
@@ -186,6 +187,18 @@ class BackgroundWriter(SerialWorker):
         except BaseException as exc:
             stream.abort(exc)
             raise
+
+
+def _release_restore_pool() -> None:
+    """Unpin a restore's bounce chunks once a save has committed (see :func:`checkpointd.bulkcopy.release_pinned`).
+
+    Here, not when the staging arena is pinned: a process that only restores (a benchmark, an
+    evaluation job) keeps its pool, and a training run gives it back after its first checkpoint, on
+    this thread (``cudaFreeHost`` waits for the device), leaving the arena as its pinned memory.
+    """
+    bulkcopy = sys.modules.get("checkpointd.bulkcopy")
+    if bulkcopy is not None:  # never imported: no restore pool to give back
+        bulkcopy.release_pinned()
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.005

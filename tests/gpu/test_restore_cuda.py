@@ -131,7 +131,7 @@ def test_bounce_copies_dtype_cast_and_layout_change() -> None:
     assert torch.equal(big_dst.cpu(), big_src)
 
 
-def test_bounce_pool_is_unpinned_before_the_next_save_pins_its_arena(saved, monkeypatch) -> None:
+def test_bounce_pool_is_unpinned_once_a_save_has_committed(saved, monkeypatch) -> None:
     """Pinned memory after a resume stays the staging arena's (issue 6: at most 1.05x the state)."""
     root, ref_model, ref_opt = saved
     monkeypatch.setenv(bulkcopy.H2D_ENV, "bounce")
