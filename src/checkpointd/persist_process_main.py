@@ -214,13 +214,30 @@ class Server:
         return results
 
 
+def lower_priority(nice: int) -> str:
+    """Run this process's threads only on cores the training leaves idle (``SCHED_IDLE``), else niced.
+
+    ``SCHED_IDLE``: a normal thread waking on a core that a persist thread occupies preempts it at
+    once, so the training's latency-sensitive threads (the Python loop, NCCL's proxy) never wait for
+    a time slice. Threads inherit it from this one, so it is set before the pool starts.
+    """
+    if nice <= 0:
+        return "normal"
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.nice(nice)
+    except OSError:
+        return "normal"
+    return f"nice {nice}"
+
+
 def main(argv: list[str]) -> int:
     sock_fd, threads, nice, slice_bytes = (int(a) for a in argv[1:5])
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
+    lower_priority(nice)
     sock = socket.socket(fileno=sock_fd)
     try:
         Server(sock, threads, slice_bytes).serve()
