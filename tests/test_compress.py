@@ -378,3 +378,65 @@ def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtyp
     broken[-2] ^= 0x01  # inside the last plane (stored raw or compressed): the chunk CRC catches it
     with pytest.raises(CorruptCheckpointError):
         kernels.decode_chunk_into(memoryview(bytes(broken)), decoded)
+
+
+def _planes_frame(kernels, itemsize: int, stored: list[tuple[int, bytes]], native: int) -> bytes:
+    """A planes chunk frame (rotated, CRC of every stored byte) from ``(mode, stored bytes)`` per plane."""
+    blobs = b"".join(blob for _, blob in stored)
+    table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
+    flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
+    header = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, itemsize, flags, native, kernels.crc32(blobs))
+    body = header + table + blobs
+    return kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+
+
+@pytest.mark.parametrize("escapes", [0, 1, 2, 5])
+def test_nibble_plane_escapes_are_counted_exactly(escapes: int) -> None:
+    """2-byte elements, nibble-coded high plane: escapes put back in order, a wrong count is corruption."""
+    import numpy as np
+
+    from checkpointd import compress_planes as kernels
+
+    count, base = 9, 100
+    lo = np.arange(count, dtype=np.uint8) * 29
+    hi = (base + np.arange(count) % 15).astype(np.uint8)
+    hi[[1, 2, 4, 7, 8][:escapes]] = [3, 255, base + 15, 99, 250][:escapes]
+    codes = np.where((hi >= base) & (hi < base + 15), hi - base, 15).astype(np.uint8)
+    half = (count + 1) // 2
+    padded = np.concatenate([codes, np.zeros(2 * half - count, np.uint8)])
+    escaped = hi[codes == 15]
+    expected = np.zeros(2 * count, dtype=np.uint8)
+    kernels._from_planes([lo, hi], expected)
+
+    def frame(claimed: int, values: np.ndarray) -> memoryview:
+        packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
+        nibbles = kernels._NIBBLES.pack(base, claimed) + kernels._plane_compressor().compress(packed)
+        stored = [(kernels._MODE_RAW, lo.tobytes()), (kernels._MODE_NIBBLES, nibbles)]
+        return memoryview(_planes_frame(kernels, 2, stored, 2 * count))
+
+    decoded = np.zeros(2 * count, dtype=np.uint8)
+    kernels.decode_chunk_into(frame(escapes, escaped), decoded)
+    assert decoded.tobytes() == expected.tobytes()
+    for claimed in {escapes - 1, escapes + 1} - {0, -1}:  # (0 escapes claimed: codes 15 are not looked for)
+        values = np.resize(escaped if escapes else np.array([7], np.uint8), claimed)
+        with pytest.raises(CorruptCheckpointError, match="escape"):
+            kernels.decode_chunk_into(frame(claimed, values), decoded)
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_zstd_plane_of_the_wrong_size_is_corrupt(extra: int) -> None:
+    """A compressed plane must decode to exactly one byte per element, not one more or one fewer."""
+    import numpy as np
+
+    from checkpointd import compress_planes as kernels
+
+    count = 1000
+    plane = bytes(range(256)) * 4
+    wrong = kernels._plane_compressor().compress(plane[: count + extra])
+    stored = [(kernels._MODE_RAW, plane[:count]), (kernels._MODE_ZSTD, wrong)]
+    decoded = np.zeros(2 * count, dtype=np.uint8)
+    with pytest.raises(CorruptCheckpointError, match="decodes to"):
+        kernels.decode_chunk_into(memoryview(_planes_frame(kernels, 2, stored, 2 * count)), decoded)
+    stored = [(kernels._MODE_ZSTD, wrong), (kernels._MODE_RAW, plane[:count])]  # first plane: slack is the next plane's
+    with pytest.raises(CorruptCheckpointError, match="decodes to"):
+        kernels.decode_chunk_into(memoryview(_planes_frame(kernels, 2, stored, 2 * count)), decoded)

@@ -23,6 +23,22 @@ MiB; GIL held 7.5% -> ~5% of the time), encode 132 -> 92 fp32 and 60 bf16; one c
 about 10% slower (7.8 -> 8.5 ms), bf16 and encode within noise. Tried and slower: casting ufuncs
 (``np.multiply(u8, np.uint16(256), out=u16)``, output-narrowing shifts), ``np.einsum`` of a stacked
 plane array, whole-chunk blocks, strided gathers when encoding.
+
+Decode, second pass (bf16 decoded at 3.2x one core on 16 threads, fp32 at 4.9x; both 44 releases a
+chunk). The shim's held intervals show why releases cost GIL time too: the first Python after each big
+pass runs cache-cold, 5-60 us. Changes, per 16 MiB chunk on a dev-VM core (median of 7): a zstd
+frame is read with one ``readinto`` into scratch a byte longer than its content (the end of the frame
+and any checksum are reached in that call; the ``read(1)`` that checked for the end held the GIL
+40-50 us per 4 MiB plane, decoding the frame's last block in it); nibble escapes go back by one
+boolean-mask assignment (2 releases instead of ~10 through :func:`_true_positions`); 2-byte words
+OR their low plane in as bytes (3 calls a word instead of 4). Releases: bf16 44 -> 32, fp16 30 -> 26,
+fp32 and AdamW 44 -> 36; GIL held ~0.42 -> ~0.35 ms (bf16 ~5% -> ~4% of the time, noisy); one core
+within noise (bf16 8.2-8.5 ms both, fp32 8.2-9.2 -> 9.2). Measured and not taken: 8 or 16 MiB merge
+blocks (bf16 12 or 6 fewer releases, but 2 threads decode 10-25% slower: the passes leave the caches),
+casting the high plane too (2 calls a word, 0.6-1 ms slower a chunk), ``np.divmod`` for the nibble
+split (20x slower), ``np.take`` on a 256-entry table (casts the indices to intp: 0.6-1 ms per MiB),
+``np.place``/``np.putmask`` for escapes (3-4.6 ms), ``nonzero`` on 8-byte words (1.9 ms), and
+``decompress``/``decompressobj`` (allocate the output; ``decompressobj`` releases 32 times).
 """
 
 from __future__ import annotations
@@ -119,6 +135,24 @@ def zstd_decompress_into(frame: Any, out: np.ndarray) -> None:
     if got != out.nbytes or extra:
         size = f"more than {out.nbytes}" if extra else str(got)
         raise CorruptCheckpointError(f"zstd frame decodes to {size} bytes, expected {out.nbytes}")
+
+
+def _zstd_decompress_slack(frame: Any, buf: np.ndarray) -> None:
+    """Decode one zstd frame of ``buf.nbytes - 1`` bytes into ``buf`` (the last byte is slack).
+
+    One ``readinto`` with a byte to spare decodes to the frame's end (checksum included, if any) and
+    shows a frame that is too long; :func:`zstd_decompress_into`'s ``read(1)`` after filling exactly
+    held the GIL for 40-50 us per 4 MiB plane (zstd finished the frame's last block in it).
+    """
+    expected = buf.nbytes - 1
+    try:
+        with _decompressor().stream_reader(frame, read_across_frames=False, closefd=False) as reader:
+            got = reader.readinto(buf)
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(f"zstd frame does not decode: {exc}") from exc
+    if got != expected:
+        size = f"more than {expected}" if got > expected else str(got)
+        raise CorruptCheckpointError(f"zstd frame decodes to {size} bytes, expected {expected}")
 
 
 def copy_into(out: np.ndarray, data: Any) -> None:
@@ -315,7 +349,8 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     count = native_nbytes // itemsize
     pos, actual_crc, planes = _PLANE.size * itemsize, 0, []
     crc_all = bool(flags & _FLAG_CRC_ALL)  # then one CRC call over planes and tail (contiguous), below
-    decoded = _scratch("planes", count * itemsize).reshape(itemsize, count)
+    flat = _scratch("planes", count * itemsize + 1)  # + 1: slack for _zstd_decompress_slack
+    decoded = flat[: count * itemsize].reshape(itemsize, count)
     for i in range(itemsize):
         mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
         blob = body[pos : pos + stored]
@@ -328,7 +363,7 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
             planes.append(np.frombuffer(blob, dtype=np.uint8))
         elif mode == _MODE_ZSTD:
             planes.append(decoded[i])
-            zstd_decompress_into(blob, decoded[i])
+            _zstd_decompress_slack(blob, flat[i * count : (i + 1) * count + 1])  # slack: next plane's
         elif mode == _MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= _NIBBLES.size:
             planes.append(decoded[i])
             _unpack_nibbles(blob, decoded[i])
@@ -344,24 +379,35 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
 
 
 def _unpack_nibbles(blob: memoryview, plane: np.ndarray) -> None:
-    """Inverse of :func:`_pack_nibbles`, into ``plane``."""
+    """Inverse of :func:`_pack_nibbles`, into ``plane``: 5 NumPy calls and one zstd call.
+
+    Escapes are put back by a boolean-mask assignment, which fills the masked places in order (what
+    the format stores) in one call, skipping runs of unmasked bytes a word at a time: bf16 chunk
+    (1298 escapes in 8 Mi values) 2 releases and 0.9 ms; finding the positions first
+    (:func:`_true_positions`, still used to encode) takes 0.33 ms but ~10 releases.
+    """
     base, escaped = _NIBBLES.unpack_from(blob)
     count, half = plane.size, (plane.size + 1) // 2
     if escaped > count:
         raise CorruptCheckpointError(f"nibble plane claims {escaped} escapes for {count} values")
-    packed = _scratch("packed", half + escaped)
-    zstd_decompress_into(blob[_NIBBLES.size :], packed)
+    packed = _scratch("packed", half + escaped + 1)
+    _zstd_decompress_slack(blob[_NIBBLES.size :], packed)
     np.right_shift(packed[:half], 4, out=plane[:half])
     np.bitwise_and(packed[: count - half], 15, out=plane[half:])
     if escaped:
         mask = _scratch("mask", count).view(np.bool_)
         np.equal(plane, _ESCAPE, out=mask)
-        where = _true_positions(mask)
-        if where.size != escaped:
-            raise CorruptCheckpointError(f"nibble plane has {where.size} escape codes, its header says {escaped}")
     plane += np.uint8(base)
     if escaped:
-        plane[where] = packed[half:]
+        values = packed[half : half + escaped]
+        where: np.ndarray = np.flatnonzero(mask) if escaped == 1 else mask  # 1 value would broadcast
+        try:
+            if where.size != 1 and where.dtype != np.bool_:
+                raise ValueError
+            plane[where] = values
+        except ValueError:
+            found = np.count_nonzero(mask)
+            raise CorruptCheckpointError(f"nibble plane has {found} escape codes, its header says {escaped}") from None
 
 
 def _from_planes(planes: list[np.ndarray], out: np.ndarray, rotated: bool = True) -> None:
@@ -402,24 +448,25 @@ def _merge_columns(planes: list[np.ndarray], out: np.ndarray) -> None:
 
 
 def _merge_tree(planes: list[np.ndarray], out: np.ndarray) -> None:
-    """2- and 8-byte elements: a tree of contiguous widen / multiply / OR passes.
+    """2- and 8-byte elements: planes paired into 2-byte words by widen / multiply / OR passes.
 
-    Planes pair into 2-byte words (``out`` itself for 2-byte elements, 4 calls). For 8-byte elements
-    the 2-byte words go into ``out``'s columns by strided copies (a further tree level costs more
-    than it saves). Byte columns instead would cost a strided byte copy per plane, slower here:
-    bf16 2.8 vs 4.2 ms per 16 MiB on a dev-VM core.
+    The low plane of a pair is ORed in as bytes (a casting ufunc: NumPy widens it a buffer at a time,
+    in cache), so a pair takes 3 calls and no widened temporary: bf16 decode 36 -> 32 GIL releases per
+    16 MiB chunk, one core as fast (8.8 vs 9.2 ms per 16 MiB, median). Casting the high plane too
+    (``np.multiply(u8, np.uint16(256), out=u16)``, 2 calls) was 0.6-1 ms slower. For 8-byte elements
+    the 2-byte words go into ``out``'s columns by strided copies (a further tree level costs more than
+    it saves). Byte columns instead would cost a strided byte copy per plane, slower here: bf16 2.8 vs
+    4.2 ms per 16 MiB on a dev-VM core.
     """
     itemsize = len(planes)
     count = planes[0].shape[0]
-    columns = out.view(np.uint16).reshape(count, itemsize // 2)
+    words = out.view(np.uint16)
+    columns = words.reshape(count, itemsize // 2)
     for c in range(itemsize // 2):
-        hi, lo = planes[2 * c + 1], planes[2 * c]
-        dst = out.view(np.uint16) if itemsize == 2 else _scratch("merge_word", 2 * count).view(np.uint16)
-        tmp = _scratch("merge_tmp", 2 * count).view(np.uint16)
-        np.copyto(dst, hi)
+        dst = words if itemsize == 2 else _scratch("merge_word", 2 * count).view(np.uint16)
+        np.copyto(dst, planes[2 * c + 1])
         np.multiply(dst, np.uint16(256), out=dst)  # << 8 (shifts are slower)
-        np.copyto(tmp, lo)
-        np.bitwise_or(dst, tmp, out=dst)
+        np.bitwise_or(dst, planes[2 * c], out=dst)
         if itemsize != 2:
             columns[:, c] = dst
 
