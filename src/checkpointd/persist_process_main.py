@@ -101,13 +101,24 @@ class Server:
         self.slice = max(4096, slice_bytes)
         self.slabs: dict[int, _Slab] = {}
         self.send_lock = threading.Lock()
+        self.writes: set[threading.Thread] = set()
         self.crc32 = _load_crc32()
 
     def reply(self, message: tuple) -> None:
-        with self.send_lock:
-            send_message(self.sock, message)
+        try:
+            with self.send_lock:
+                send_message(self.sock, message)
+        except OSError:
+            pass  # the requester is gone; nobody waits for this answer
 
     def serve(self) -> None:
+        try:
+            self._serve()
+        finally:
+            for thread in list(self.writes):  # writes already started finish before the process exits
+                thread.join()
+
+    def _serve(self) -> None:
         while True:
             message, fds = receive_message(self.sock)
             if message is None or message[0] == "exit":
@@ -124,7 +135,9 @@ class Server:
             elif kind == "unmap":
                 self.slabs.pop(message[1], None)  # unmapped when the last task using it lets go
             elif kind == "write":
-                threading.Thread(target=self.write, args=(message, fds[0]), daemon=True).start()
+                thread = threading.Thread(target=self.write, args=(message, fds[0]), daemon=True)
+                self.writes.add(thread)
+                thread.start()
 
     def write(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, lanes, tasks = message
@@ -138,6 +151,7 @@ class Server:
             self.reply(("ok", request_id, crcs))
         finally:
             os.close(fd)
+            self.writes.discard(threading.current_thread())
 
     def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list) -> list[list[int]]:
         mapped = None
