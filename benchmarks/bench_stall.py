@@ -11,6 +11,9 @@ checkpoints, the first one included; the same sum with negative terms clipped to
 biased up by noise, the reference script's definition); the time the save call itself blocked; the
 steady-state step time between checkpoints (outside the 21-step windows, while the background persist
 runs) as a ratio to the `none` run over the same steps; pinned host memory; checkpointd's stats().
+The target column says ``ok`` when the mean and the first checkpoint are within the target (the issue's
+definition: averaged over the checkpoints, the first one included) and names the max when any single
+checkpoint exceeds it.
 
 ``checkpointd_host25`` sets ``host_staging_budget_bytes`` to 25 % of the state (issue 6): pinned memory
 (``ckd pin GB``) stays at the budget and the stall is the price, about (state - budget) / write bandwidth
@@ -467,8 +470,9 @@ def summarise(res: dict) -> str:
                 if r["method"].startswith("checkpointd_host"):
                     tgt = None  # a host budget trades stall for memory: ~(state - budget) / write bandwidth
                 verdict = []
-                if tgt is not None:
-                    verdict.append(f"{'ok' if max(s) <= tgt else 'MISS'} <= {tgt:.0f}ms")
+                if tgt is not None:  # issue 6: the mean over the checkpoints, and the first one too
+                    verdict.append(f"{'ok' if mean <= tgt and s[0] <= tgt else 'MISS'} <= {tgt:.0f}ms"
+                                   f"{'' if max(s) <= tgt else f' (max {max(s):.0f})'}")
                 if dcp_stall and dcp_stall > 0 and mean > 0 and r["method"] not in ("checkpointd_device", "checkpointd_host25"):
                     verdict.append(f"{dcp_stall / max(mean, 1e-9):.0f}x vs dcp")
                 row["target"] = ", ".join(verdict)
