@@ -29,6 +29,13 @@ space with ``posix_fallocate`` first, so a full disk fails with ENOSPC rather th
 host (3 GB, one file): tmpfs ``pwrite`` 2.6-3.1 GB/s at any thread count, ``mmap`` 5.2 GB/s at 8-16
 threads; ext4 ~1.5 GB/s either way (``benchmarks/RESULTS.md``).
 
+Records staged in shared memory (:mod:`checkpointd.sharedmem`, the default on Linux) are not written
+by this process at all: :class:`_SharedPieces` hands their ranges to the persist process
+(:mod:`checkpointd.persist_process`), which maps the file and fills it from its own threads (its GIL,
+page faults and memory-map lock are not the training's) and returns the slice CRCs; this process
+writes the rest (the pickle, small members) by ``pwrite`` meanwhile. What follows describes the
+in-process writes, which are also the fallback when the persist process is unavailable.
+
 Under a host staging budget some records' bytes are not in memory when the layout is computed: they
 are :class:`Deferred` members (only the size is known), and a ``fill`` callback of the chunk stream
 writes them as their chunks arrive (``chunkstream.FileRecords.fill``), with the CRCs combined the same way.
@@ -185,7 +192,10 @@ def _run_in_lanes(fns: list[Callable[[], Any]], pool: Executor, lanes: int) -> l
 
 
 FAST_PERSIST_ENV = "CHECKPOINTD_PERSIST"
-"""``gentle`` (default) or ``fast``: how a save's files are written while training goes on.
+"""``gentle`` (default) or ``fast``: how this process writes a save's files while training goes on.
+
+It concerns in-process writes only: records that the persist process writes (the default for staged
+tensors, :mod:`checkpointd.persist_process`) are always written at full speed there.
 
 ``gentle`` writes each file with :func:`write_lanes` threads by ``pwrite``, which the training steps
 barely feel. ``fast`` (also used for every save a preemption signal triggers, which the job's grace
