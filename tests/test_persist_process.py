@@ -209,3 +209,30 @@ def test_a_forked_child_does_not_use_the_parents_process() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert persist_process.client() is not None and persist_process.client().alive
+
+
+def test_a_process_that_cannot_run_is_not_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persist process that exits before its first write (a broken install) is not started again and
+    again: saves go on with in-process writes."""
+    persist_process.shutdown()
+    monkeypatch.setattr(persist_process, "_MAIN", str(tmp_path / "missing_main.py"))
+    monkeypatch.setattr(persist_process, "_start_failed", False)
+    state = _state()
+    try:
+        with CheckpointManager(tmp_path / "run", state, compression=None) as mgr:
+            mgr.save(1)
+            mgr.wait()
+            first = persist_process._client
+            assert first is not None and first.proc.wait(timeout=30) != 0
+            deadline = time.monotonic() + 10
+            while first.alive and time.monotonic() < deadline:
+                time.sleep(0.01)
+            mgr.save(2)
+            mgr.wait()
+            assert persist_process.client() is None and persist_process._start_failed
+        _check_step(tmp_path / "run", 1, state)
+        _check_step(tmp_path / "run", 2, state)
+    finally:
+        persist_process._client = None
+        monkeypatch.undo()
+        assert persist_process.client() is not None  # the real one starts again for later tests

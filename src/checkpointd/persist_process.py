@@ -205,6 +205,10 @@ def client() -> PersistProcess | None:
     with _lock:
         if _client is not None and _client.alive:
             return _client
+        if _client is not None and _client.writes_done == 0:  # died before writing anything: it cannot run here
+            _start_failed = True
+            logger.warning("checkpointd: the persist process exited before its first write; writing from in-process threads")
+            return None
         from . import ptlayout
 
         try:

@@ -1,7 +1,8 @@
 """The persist process itself: copies staged bytes from shared slabs into checkpoint files.
 
 Started by :mod:`checkpointd.persist_process` as ``python -P persist_process_main.py SOCKET_FD THREADS
-NICE SLICE``. It imports no torch and nothing of the package but :mod:`checkpointd.crc` (loaded by path),
+NICE SLICE``. It imports no torch and nothing of the package but :mod:`checkpointd.crc` and :mod:`checkpointd.lanes`
+(loaded by path),
 so it starts in tens of milliseconds and holds little memory. It runs at a lower CPU priority than the
 training process, and its threads' GIL, page faults and memory-map lock are its own: that is the point.
 
@@ -77,13 +78,14 @@ def receive_message(sock: socket.socket) -> tuple[tuple | None, list[int]]:
     return marshal.loads(bytes(body)), fds
 
 
-def _load_crc32() -> Callable[..., int]:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crc.py")
-    spec = importlib.util.spec_from_file_location("_checkpointd_persist_crc", path)
+def _load_sibling(name: str) -> Any:
+    """The package's module ``name`` loaded by path (it must use the standard library only)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_checkpointd_persist_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.crc32
+    return module
 
 
 class _Slab:
@@ -102,7 +104,8 @@ class Server:
         self.slabs: dict[int, _Slab] = {}
         self.send_lock = threading.Lock()
         self.writes: set[threading.Thread] = set()
-        self.crc32 = _load_crc32()
+        self.crc32 = _load_sibling("crc").crc32
+        self.run_in_lanes = _load_sibling("lanes").run_in_lanes
 
     def reply(self, message: tuple) -> None:
         try:
@@ -176,7 +179,7 @@ class Server:
                             raise OSError(f"pwrite wrote {done} bytes")
                         view, n, offset = view[done:], n - done, offset + done
 
-            return self._run_lanes([self._task(t, put) for t in tasks], lanes)
+            return self.run_in_lanes([self._task(t, put) for t in tasks], self.pool, lanes)
         finally:
             if mapped is not None:
                 del anchor
@@ -197,35 +200,6 @@ class Server:
                 crcs.append(crc)
             return crcs
         return run
-
-    def _run_lanes(self, fns: list[Callable[[], Any]], lanes: int) -> list[Any]:
-        results: list[Any] = [None] * len(fns)
-        lock = threading.Lock()
-        state = {"next": 0, "failed": False}
-
-        def lane() -> None:
-            while True:
-                with lock:
-                    i = state["next"]
-                    if i >= len(fns) or state["failed"]:
-                        return
-                    state["next"] = i + 1
-                try:
-                    results[i] = fns[i]()
-                except BaseException:
-                    state["failed"] = True
-                    raise
-
-        futures = [self.pool.submit(lane) for _ in range(max(1, min(lanes, len(fns))))]
-        error: BaseException | None = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:  # noqa: BLE001 - keep the first, wait for every lane
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
 
 
 def lower_priority(nice: int) -> str:

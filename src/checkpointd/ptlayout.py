@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .crc import crc32, crc32_combine
+from .lanes import run_in_lanes
 
 logger = logging.getLogger("checkpointd")
 
@@ -145,7 +146,7 @@ def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None, la
         return [fn() for fn in fns]
     pool = executor or io_executor()
     if lanes is not None and 0 < lanes < len(fns):
-        return _run_in_lanes(fns, pool, lanes)
+        return run_in_lanes(fns, pool, lanes)
     futures: list[Future[Any]] = [pool.submit(fn) for fn in fns]
     try:
         return [f.result() for f in futures]
@@ -159,36 +160,6 @@ def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None, la
                 except BaseException:  # noqa: BLE001 - waiting only
                     pass
         raise
-
-
-def _run_in_lanes(fns: list[Callable[[], Any]], pool: Executor, lanes: int) -> list[Any]:
-    results: list[Any] = [None] * len(fns)
-    lock = threading.Lock()
-    state = {"next": 0, "failed": False}
-
-    def lane() -> None:
-        while True:
-            with lock:
-                i = state["next"]
-                if i >= len(fns) or state["failed"]:
-                    return
-                state["next"] = i + 1
-            try:
-                results[i] = fns[i]()
-            except BaseException:
-                state["failed"] = True
-                raise
-
-    futures = [pool.submit(lane) for _ in range(lanes)]
-    error: BaseException | None = None
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as exc:  # noqa: BLE001 - keep the first, wait for every lane
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
 
 
 FAST_PERSIST_ENV = "CHECKPOINTD_PERSIST"
