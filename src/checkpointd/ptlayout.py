@@ -586,7 +586,6 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
 
 
-
 class _SharedPieces:
     """Splits a file's staged pieces: those in shared staging memory go to the persist process.
 
