@@ -265,18 +265,22 @@ SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkp
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, dev: C.Dev | None = None):
         self.args = args
-        self.dev = C.Dev(cpu=args.cpu)
+        self.dev = dev or C.Dev(cpu=args.cpu)
         self.dir = args.dir
         self.every = args.every
         self.ckd_kwargs = C.parse_json_arg(args.ckd_kwargs)
         self.device_kwargs = C.parse_json_arg(args.device_kwargs) or None
         torch.manual_seed(0)
-        self.model = C.make_model(args.D, args.L, self.dev.device)
+        self.model = self.wrap(C.make_model(args.D, args.L, self.dev.device))
         self.opt = C.make_optimizer(self.model, self.dev)
         self.x = torch.randn(args.B, args.S, args.D, device=self.dev.device)
         self.amp_dtype = torch.bfloat16
+
+    def wrap(self, model):
+        """The model as trained (bench_stall_dist.py shards it with FSDP2 here, before the optimizer exists)."""
+        return model
 
     def fwd_bwd(self):
         with torch.autocast(self.dev.device.type, dtype=self.amp_dtype):
@@ -444,6 +448,17 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             r["steady_median_ratio"] = C.median([st[j] for j in steady]) / C.median([st0[j] for j in steady])
 
 
+def persist_and_notes(r: dict, row: dict, width: int) -> None:
+    """The table columns every stall table shares: mean persist seconds, and the notes (errors first)."""
+    if r.get("persist_s"):
+        row["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
+    notes = list(r.get("notes") or [])
+    if "error" in r:
+        notes.insert(0, "ERROR " + r["error"])
+    if notes:
+        row["note"] = "; ".join(notes)[:width]
+
+
 def summarise(res: dict) -> str:
     runs = res["runs"]
     fl = res.get("floor", {})
@@ -495,13 +510,7 @@ def summarise(res: dict) -> str:
             row["ckdnew"] = str(st["staging_allocations"] - sf["staging_allocations"])
         if me.get("rss_bytes") and m0.get("rss_bytes"):
             row["drss"] = C.fmt((me["rss_bytes"] - m0["rss_bytes"]) / 1e9, ".2f")
-        if r.get("persist_s"):
-            row["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
-        notes = list(r.get("notes") or [])
-        if "error" in r:
-            notes.insert(0, "ERROR " + r["error"])
-        if notes:
-            row["note"] = "; ".join(notes)[:110]
+        persist_and_notes(r, row, 110)
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
             ("clip", "stall+"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),

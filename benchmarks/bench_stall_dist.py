@@ -118,34 +118,32 @@ def local_tensors(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 # setup starts with a barrier: all ranks have emptied the method's directory before anyone writes there.
 
 
-class DistCheckpointd(S.Checkpointd):
-    name = "checkpointd"
+class _Sharded:
+    """Turns a bench_stall checkpointd saver into its sharded-mode, barrier-first twin."""
 
     def kwargs(self):
-        return {"mode": "sharded"}
-
-    def setup(self):
-        self.b.ctx.barrier()
-        super().setup()
-
-
-class DistCheckpointdZstd(DistCheckpointd):
-    name = "checkpointd_zstd"
-    compression = "zstd"
-
-
-class DistCheckpointdDevice(DistCheckpointd):
-    name = "checkpointd_device"
-
-    def kwargs(self):
-        kw = S.CheckpointdDevice.kwargs(self)
+        kw = super().kwargs()  # type: ignore[misc]
         return None if kw is None else {**kw, "mode": "sharded"}
 
+    def setup(self):
+        self.b.ctx.barrier()  # type: ignore[attr-defined]
+        super().setup()  # type: ignore[misc]
 
-class DistCheckpointdThreads(S.CheckpointdThreads, DistCheckpointd):
+
+class DistCheckpointd(_Sharded, S.Checkpointd):
+    pass
+
+
+class DistCheckpointdZstd(_Sharded, S.CheckpointdZstd):
+    pass
+
+
+class DistCheckpointdDevice(_Sharded, S.CheckpointdDevice):
+    pass
+
+
+class DistCheckpointdThreads(_Sharded, S.CheckpointdThreads):
     """Sharded checkpointd with the persist process off (bench_stall's checkpointd_threads)."""
-
-    name = "checkpointd_threads"
 
 
 class DistDcpAsync(S.DcpAsync):
@@ -180,21 +178,14 @@ class DistBench(S.Bench):
     """bench_stall.Bench with the model wrapped by FSDP2 (same construction order, seeds and input)."""
 
     def __init__(self, args, ctx: Ctx):
-        self.args = args
         self.ctx = ctx
-        self.dev = ctx.dev
-        self.dir = args.dir
-        self.every = args.every
-        self.ckd_kwargs = C.parse_json_arg(args.ckd_kwargs)
-        self.device_kwargs = C.parse_json_arg(args.device_kwargs) or None
-        torch.manual_seed(0)
-        self.model = C.make_model(args.D, args.L, self.dev.device)
-        for block in self.model:
+        super().__init__(args, ctx.dev)
+
+    def wrap(self, model):
+        for block in model:
             fully_shard(block)
-        fully_shard(self.model)
-        self.opt = C.make_optimizer(self.model, self.dev)
-        self.x = torch.randn(args.B, args.S, args.D, device=self.dev.device)
-        self.amp_dtype = torch.bfloat16
+        fully_shard(model)
+        return model
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -246,13 +237,7 @@ def summarise(res: dict) -> str:
             out["steady"] = C.fmt(r["steady_mean_ratio"], ".3f")
         if "median_step_ms" in r:
             out["med"] = C.fmt(r["median_step_ms"], ".2f")
-        if r.get("persist_s"):
-            out["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
-        notes = list(r.get("notes") or [])
-        if "error" in r:
-            notes.insert(0, "ERROR " + r["error"])
-        if notes:
-            out["note"] = "; ".join(notes)[:100]
+        S.persist_and_notes(r, out, 100)
         return out
 
     for m in methods:
