@@ -19,8 +19,9 @@ Strategies (``CHECKPOINTD_RESTORE_H2D``, so a benchmark can compare them in one 
 
 ``CHECKPOINTD_RESTORE_THREADS`` (default ``min(16, cpus)``) and ``CHECKPOINTD_RESTORE_CHUNK_MB``
 (default 8) size the pool: ``threads x 2 x chunk`` bytes of pinned memory (256 MiB on 16 cores), kept
-for the process. The host-side memcpy is the limit, not the DMA: on a 16-core H200 host 16 threads
-applied 4.8 GB in ~125 ms against ~155 ms with 8 (restore 0.24-0.29 s against 0.31-0.34 s in all).
+until a save commits (:func:`release_pinned`). The host-side memcpy is the limit, not the DMA: on a
+16-core H200 host 16 threads applied 4.8 GB in ~125 ms against ~155 ms with 8 (restore 0.24-0.29 s
+against 0.31-0.34 s in all).
 Every copy is finished (streams synchronised) before :func:`copy_pairs` returns, so callers and the
 training loop may use the tensors at once, on any stream. CPU-only builds only ever do plain copies.
 """
@@ -123,7 +124,7 @@ def copy_pairs(pairs: Sequence[Pair], strategy: str | None = None) -> None:
 
 
 class _DevicePool:
-    """Per-device streams and (for bounce) two pinned chunks per thread; created once, kept."""
+    """Per-device streams (kept) and, for bounce, two pinned chunks per thread (until :func:`release_pinned`)."""
 
     def __init__(self, device: torch.device, threads: int, chunk: int) -> None:
         self.device = device

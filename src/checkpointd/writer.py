@@ -98,7 +98,8 @@ class BackgroundWriter(SerialWorker):
     def _handle(self, job: SaveJob) -> None:
         try:
             with _short_gil_switch_interval():
-                self._process(job)
+                self._process(job)  # distributed runs override it: the pool is given back here, for both
+            _release_restore_pool()
             job.future.set_result(job)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
             job.future.set_exception(exc)
@@ -125,7 +126,6 @@ class BackgroundWriter(SerialWorker):
         if job.after_commit is not None:
             job.after_commit(job)
         job.timings["retention_secs"] = time.perf_counter() - t3
-        _release_restore_pool()
 
     def plan_job(self, job: SaveJob) -> None:
         """Pickle the files and lay out their zip images ahead of the copies, where the job allows it."""
