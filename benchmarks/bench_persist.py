@@ -5,7 +5,8 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
 ``--state-on device``, on the GPU. For each target directory (default: a tmpfs and a disk directory):
 
 - raw: the same tensor bytes written with os.pwrite (64 MiB chunks) from several threads into one file
-  and into several files, fsync'd; every thread count of --raw-threads; the best is the ceiling "raw";
+  and into several files, fsync'd; every thread count of --raw-threads; on disks also with each chunk
+  handed to the disk once written (``sync_file_range``, "writeback"); the best is the ceiling "raw";
 - torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
 - checkpointd / checkpointd_fast / checkpointd_threads / checkpointd_zstd: time from
   maybe_save(step, force=True) until wait() returns (the checkpoint is committed and durable); the
@@ -94,6 +95,17 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_b
                     times.append(dt)
                     shutil.rmtree(d, ignore_errors=True)
                 add({"method": f"raw 1 file x {thr} thr (mmap)", "kind": "raw", "times_s": times})
+            if thr > 1 and not C.is_memory_fs(out["fs"]):  # disks: each chunk handed to the disk once written
+                for nf in sorted({1, thr}):
+                    times = []
+                    for _ in range(args.repeat):
+                        d = os.path.join(root, "raw")
+                        C.clean_dir(d)
+                        dt, _ = C.raw_write(d, views, nfiles=nf, threads=thr, writeback=True)
+                        times.append(dt)
+                        shutil.rmtree(d, ignore_errors=True)
+                    add({"method": f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr (writeback)", "kind": "raw",
+                         "times_s": times})
         # the checkpoint's own files (model, optimizer) side by side, one thread each: what a save of
         # this state can reach when each file is written at the speed one file allows
         n_model = sum(1 for _ in model.parameters())

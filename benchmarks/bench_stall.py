@@ -30,6 +30,7 @@ import contextlib
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -42,7 +43,7 @@ import common as C  # noqa: E402
 WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
-               "checkpointd_device", "checkpointd_host25", "checkpointd_threads"]
+               "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
@@ -253,12 +254,90 @@ class CheckpointdThreads(Checkpointd):
             self._env.close()
 
 
+class IoOnly(Saver):
+    """The persist phase alone: checkpointd's persist process writes this process's state bytes (model
+    third and optimizer two thirds, two files as a save has) from a shared slab filled once at setup,
+    with no snapshot, pickling, manifest or commit. Its stall is what the file writing itself costs the
+    training steps that run meanwhile (host memory traffic, caches, cores), a floor for ``checkpointd``."""
+
+    name = "io_only"
+
+    def setup(self):
+        from checkpointd import fsinfo, persist_process, ptlayout, sharedmem  # noqa: PLC0415
+        if not sharedmem.supported() or persist_process.client() is None:
+            raise SkipMethod("the persist process cannot run here")
+        self.fsinfo, self.ptlayout, self.pp = fsinfo, ptlayout, persist_process
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in C.state_tensors(self.b.model, self.b.opt)]
+        n_model = C.nbytes(local[:len(list(self.b.model.parameters()))])  # this rank's shards (FSDP2: DTensor)
+        total = C.nbytes(local)
+        self.sizes = [n_model, max(0, total - n_model)]
+        self.slab = sharedmem.SharedSlab(total)
+        self.slab.array[:] = 7  # touched: every page exists before the first save, as a staging arena's
+        self.pending: list[tuple[Any, int, str]] = []
+        self.t0 = 0.0
+        self.old: list[str] = []
+        self.tidying = threading.Thread(target=lambda: None)
+        self.tidying.start()
+
+    def _drain(self):
+        if not self.pending:
+            return
+        pending, old = self.pending, self.old
+        try:
+            for fut, _, _ in pending:
+                fut.result()
+            self.persist_s.append(max(self.done_at) - self.t0)  # when the last write finished
+        finally:
+            def tidy() -> None:
+                for _, fd, _ in pending:
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                for path in old:
+                    os.remove(path)
+
+            # off the training thread, as checkpointd's fsync and retention are (freeing GBs of tmpfs pages
+            # takes ~0.1 s); finish() waits for it
+            self.tidying = threading.Thread(target=tidy, daemon=True)
+            self.tidying.start()
+        self.old = [path for _, _, path in pending]
+        self.pending = []
+
+    def save(self, step):
+        self._drain()  # at most one in flight, as max_pending=1
+        self.t0 = time.perf_counter()
+        self.done_at: list[float] = []
+        chunk = self.ptlayout.DEFAULT_CHUNK_BYTES
+        start = 0
+        for k, size in enumerate(self.sizes):
+            path = os.path.join(self.b.dir, f"io{step}-{k}-rank{os.environ.get('RANK', '0')}.bin")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, size)
+            mode = self.ptlayout._resolve_mode("auto", fd)
+            lanes = self.ptlayout.io_threads() if mode == "mmap" else self.ptlayout.write_lanes()
+            tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
+            fut = self.pp.client().submit_write(fd, size, mode, lanes, tasks, [self.slab], self.fsinfo.early_writeback(fd))
+            fut.add_done_callback(lambda _f: self.done_at.append(time.perf_counter()))
+            self.pending.append((fut, fd, path))
+            start += size
+
+    def finish(self):
+        try:
+            self._drain()
+            self.tidying.join()
+            for path in self.old:
+                os.remove(path)
+        finally:
+            self.slab.release()
+
+
 class SkipMethod(Exception):
     pass
 
 
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
-                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads]}
+                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly]}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -350,6 +350,12 @@ def clean_dir(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def is_memory_fs(fstype: str | None) -> bool:
+    """tmpfs and friends: no disk behind the page cache."""
+    from checkpointd import fsinfo  # noqa: PLC0415
+    return fsinfo.is_memory_backed(fstype)
+
+
 def fs_type(path: str) -> str:
     """File system type of ``path`` from /proc/mounts (longest matching mount point)."""
     path = os.path.realpath(path)
@@ -558,12 +564,14 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
 
 
 def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: int,
-              mmap_mode: bool = False, groups: list[list[int]] | None = None) -> tuple[float, list[tuple[str, list[int]]]]:
+              mmap_mode: bool = False, groups: list[list[int]] | None = None,
+              writeback: bool = False) -> tuple[float, list[tuple[str, list[int]]]]:
     """Write ``views`` into ``nfiles`` files with ``threads`` threads (64 MiB pwrite chunks), fsync each.
 
     ``mmap_mode``: instead of pwrite, ``posix_fallocate`` each file, map it and copy the chunks into the
     mapping from the threads (what checkpointd's writer does on tmpfs). ``groups``: which views go into
-    which file (default: ``nfiles`` files of about equal size).
+    which file (default: ``nfiles`` files of about equal size). ``writeback``: start the disk on each
+    chunk once written (``sync_file_range``, what checkpointd's writer does on disks).
     Returns the wall time from the first open to the last fsync, and [(file, view indices)] in file order.
     """
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
@@ -599,6 +607,13 @@ def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: i
         else:
             def put(t: Any) -> None:
                 _pwrite_all(fds[t[0]], t[1], t[2])
+        if writeback:
+            from checkpointd import fsinfo  # noqa: PLC0415
+            copy = put
+
+            def put(t: Any) -> None:
+                copy(t)
+                fsinfo.start_writeback(fds[t[0]], t[2], len(t[1]))
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(put, tasks))
             if mmap_mode:

@@ -31,7 +31,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
 @pytest.mark.timeout(300)
 def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
-    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", "none,checkpointd,torch_save,none",
+    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", "none,checkpointd,torch_save,io_only,none",
                 "--dir", str(tmp_path / "ckd"), "--json", str(out))
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     ckd = runs["checkpointd"]
@@ -39,6 +39,10 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert len(ckd["stall_ms"]) >= 3 and len(ckd["stall_by_step_ms"]) == 4
     assert ckd["stats"]["saves_committed"] == len(ckd["saves"]) >= 3
     assert len(runs["torch_save"]["stall_ms"]) >= 3
+    io_only = runs["io_only"]  # the persist process writing the same bytes, nothing else
+    assert "error" not in io_only and "skipped" not in io_only, io_only.get("error") or io_only.get("skipped")
+    assert len(io_only["stall_ms"]) >= 3 and len(io_only["persist_s"]) >= 2 and all(t > 0 for t in io_only["persist_s"])
+    assert not [f for f in os.listdir(tmp_path / "ckd") if f.startswith("io")]  # the last files removed at the end
     assert "save/+1/+2/rest" in proc.stdout
 
 
@@ -52,6 +56,8 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     methods = {r["method"] for r in rows}
     assert {"checkpointd", "torch_save (+fsync)", "raw model + optim files x 1 thr each"} <= methods, methods
     assert all(r.get("times_s") for r in rows if r["method"] == "checkpointd")
+    if data["dirs"][0]["fs"] not in ("tmpfs", "ramfs"):  # a disk: raw rows with early writeback too
+        assert {"raw 1 file x 2 thr (writeback)", "raw 2 files x 2 thr (writeback)"} <= methods, methods
 
     out = tmp_path / "restore.json"
     _run("bench_restore.py", "--cpu", "--tiny", "--repeat", "1", "--dirs", str(tmp_path / "r"), "--json", str(out))

@@ -154,6 +154,11 @@ def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
         slab.release()
 
 
+def _pythonpath() -> str:
+    """The package's sources first, then whatever the parent had (installed wheels on the GPU host)."""
+    return os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def test_turned_off_nothing_is_shared_and_no_process_starts(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch
@@ -167,7 +172,7 @@ def test_turned_off_nothing_is_shared_and_no_process_starts(tmp_path: Path) -> N
         assert persist_process._client is None
         print("ok")
     """)
-    env = {**os.environ, "CHECKPOINTD_PERSIST_PROCESS": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "CHECKPOINTD_PERSIST_PROCESS": "0", "PYTHONPATH": _pythonpath()}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -181,7 +186,7 @@ def test_the_process_exits_with_its_parent(tmp_path: Path) -> None:
         print(persist_process.client().proc.pid, flush=True)
         os._exit(0)  # no atexit: the closed socket alone must end the process
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])

@@ -103,8 +103,10 @@ class PersistProcess:
             pass
 
     def submit_write(self, fd: int, end: int, mode: str, lanes: int, tasks: list[list[tuple[int, int, int, int]]],
-                     slabs: list[Any]) -> Future[Any]:
+                     slabs: list[Any], writeback: bool = False) -> Future[Any]:
         """Start writing ``tasks`` into the open file ``fd``; the future gives each task's range CRCs.
+
+        ``writeback``: start the disk on each range once written (:func:`checkpointd.fsinfo.early_writeback`).
 
         The process gets its own copy of ``fd``, so the caller may close it once the future is done.
         """
@@ -117,7 +119,7 @@ class PersistProcess:
                 raise PersistProcessError("the persist process has exited")
             self._pending[request_id] = future
         try:
-            self._send(("write", request_id, end, mode, lanes, tasks), [fd])
+            self._send(("write", request_id, end, mode, lanes, tasks, writeback), [fd])
         except BaseException:
             with self._state_lock:
                 self._pending.pop(request_id, None)

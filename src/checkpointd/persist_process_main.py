@@ -1,8 +1,8 @@
 """The persist process itself: copies staged bytes from shared slabs into checkpoint files.
 
 Started by :mod:`checkpointd.persist_process` as ``python -P persist_process_main.py SOCKET_FD THREADS
-NICE SLICE``. It imports no torch and nothing of the package but :mod:`checkpointd.crc` and :mod:`checkpointd.lanes`
-(loaded by path),
+NICE SLICE``. It imports no torch and nothing of the package but :mod:`checkpointd.crc`, :mod:`checkpointd.lanes` and
+:mod:`checkpointd.fsinfo` (loaded by path),
 so it starts in tens of milliseconds and holds little memory. It runs at a lower CPU priority than the
 training process, and its threads' GIL, page faults and memory-map lock are its own: that is the point.
 
@@ -11,11 +11,12 @@ as ``SCM_RIGHTS``). Requests:
 
 - ``("map", slab_id, nbytes)`` + the slab's memfd: map it (kept until ``unmap``);
 - ``("unmap", slab_id)``;
-- ``("write", request_id, end, mode, lanes, tasks)`` + the open file: put every range of ``tasks`` (lists
-  of ``(file_offset, slab_id, slab_offset, length)``) into the file, by ``pwrite`` or through a mapping
-  of it (``mode`` ``mmap``; the file is first reserved up to ``end`` with ``posix_fallocate``, so a full
-  disk is ENOSPC, never SIGBUS), ``lanes`` tasks at a time, computing each range's CRC-32 slice by slice
-  just before the slice is put. Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
+- ``("write", request_id, end, mode, lanes, tasks, writeback)`` + the open file: put every range of
+  ``tasks`` (lists of ``(file_offset, slab_id, slab_offset, length)``) into the file, by ``pwrite`` or
+  through a mapping of it (``mode`` ``mmap``; the file is first reserved up to ``end`` with
+  ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS), ``lanes`` tasks at a time, computing
+  each range's CRC-32 slice by slice just before the slice is put; with ``writeback``, the disk is
+  started on each range once it is in (``sync_file_range``, see ``checkpointd.fsinfo.early_writeback``). Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
   errno, text)`` or ``("error", request_id, text)``.
 
 The process exits when the socket closes (its parent exited or closed it) or on ``("exit",)``.
@@ -106,6 +107,7 @@ class Server:
         self.writes: set[threading.Thread] = set()
         self.crc32 = _load_sibling("crc").crc32
         self.run_in_lanes = _load_sibling("lanes").run_in_lanes
+        self.start_writeback = _load_sibling("fsinfo").start_writeback
 
     def reply(self, message: tuple) -> None:
         try:
@@ -143,9 +145,10 @@ class Server:
                 thread.start()
 
     def write(self, message: tuple, fd: int) -> None:
-        _kind, request_id, end, mode, lanes, tasks = message
+        _kind, request_id, end, mode, lanes, tasks = message[:6]
+        writeback = bool(message[6]) if len(message) > 6 else False
         try:
-            crcs = self._write(fd, end, mode, lanes, tasks)
+            crcs = self._write(fd, end, mode, lanes, tasks, writeback)
         except OSError as exc:
             self.reply(("oserror", request_id, exc.errno or 0, str(exc)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the requester
@@ -156,7 +159,7 @@ class Server:
             os.close(fd)
             self.writes.discard(threading.current_thread())
 
-    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list) -> list[list[int]]:
+    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool) -> list[list[int]]:
         mapped = None
         if mode == "mmap" and end > 0:
             # Reserved first, so a full disk is ENOSPC here and never SIGBUS in a copy. (Reserving each
@@ -179,13 +182,15 @@ class Server:
                             raise OSError(f"pwrite wrote {done} bytes")
                         view, n, offset = view[done:], n - done, offset + done
 
-            return self.run_in_lanes([self._task(t, put) for t in tasks], self.pool, lanes)
+            written = _writeback_starter(fd, self.start_writeback) if writeback else None
+            return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
         finally:
             if mapped is not None:
                 del anchor
                 mapped.close()
 
-    def _task(self, task: list, put: Callable[[_Slab, int, int, int], None]) -> Callable[[], list[int]]:
+    def _task(self, task: list, put: Callable[[_Slab, int, int, int], None],
+              written: Callable[[int, int], None] | None) -> Callable[[], list[int]]:
         def run() -> list[int]:
             crcs = []
             for offset, slab_id, start, length in task:
@@ -198,8 +203,20 @@ class Server:
                     crc = self.crc32(slab.view[start + pos:start + pos + n], crc)
                     put(slab, start + pos, n, offset + pos)
                 crcs.append(crc)
+                if written is not None:
+                    written(offset, length)
             return crcs
         return run
+
+
+def _writeback_starter(fd: int, start_writeback: Callable[[int, int, int], bool]) -> Callable[[int, int], None]:
+    """``written(offset, nbytes)``: start the disk on a written range; stops asking where unsupported."""
+    supported = [True]
+
+    def written(offset: int, nbytes: int) -> None:
+        if supported[0] and nbytes:
+            supported[0] = start_writeback(fd, offset, nbytes)
+    return written
 
 
 def lower_priority(nice: int) -> str:

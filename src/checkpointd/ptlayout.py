@@ -61,6 +61,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import fsinfo
 from .crc import crc32, crc32_combine
 from .lanes import run_in_lanes
 
@@ -450,9 +451,10 @@ def _pwrite_all(fd: int, view: Any, offset: int) -> None:
         offset += n
 
 
-def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]]) -> list[int]:
+def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
+              written: Callable[[int, int], None] | None = None) -> list[int]:
     """Put ``(offset, view)`` pieces into the file with ``put(slice, offset)``, CRC-32 of each slice
-    computed just before it is put (while it is in cache)."""
+    computed just before it is put (while it is in cache); ``written(offset, nbytes)`` after each piece."""
     crcs = []
     for offset, view in work:
         crc = 0
@@ -461,7 +463,21 @@ def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]]) -> l
             crc = crc32(part, crc)
             put(part, offset + pos)
         crcs.append(crc)
+        if written is not None:
+            written(offset, view.nbytes)
     return crcs
+
+
+def _writeback_starter(fd: int) -> Callable[[int, int], None] | None:
+    """``written(offset, nbytes)`` that starts the disk on each written range (:func:`fsinfo.early_writeback`)."""
+    if not fsinfo.early_writeback(fd):
+        return None
+    supported = [True]
+
+    def written(offset: int, nbytes: int) -> None:
+        if supported[0] and nbytes:
+            supported[0] = fsinfo.start_writeback(fd, offset, nbytes)
+    return written
 
 
 def plan_tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[tuple[Piece, int, int]]]:
@@ -549,10 +565,12 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         def put(part: Any, offset: int) -> None:
             _pwrite_all(fd, part, offset)
 
-    def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
-        return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task])
+    written = _writeback_starter(fd)
 
-    remote = shared.submit(fd, img.end, mode) if shared.process is not None else None
+    def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
+        return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task], written)
+
+    remote = shared.submit(fd, img.end, mode, written is not None) if shared.process is not None else None
     try:
         # Every thread on one file only into a mapping: positional writes to one file serialise on its
         # inode lock, and 16 threads wrote one tmpfs file slower than 4 (see write_lanes).
@@ -617,15 +635,16 @@ class _SharedPieces:
         self.ranges = [[(p.offset + a, where[id(p)][0].id, where[id(p)][1] + a, b - a) for p, a, b in task]
                        for task in self.tasks]
 
-    def submit(self, fd: int, end: int, mode: str | None) -> Any:
-        """Send the tasks; ``mode`` as :func:`write_image`'s (None: a mapping on memory file systems)."""
+    def submit(self, fd: int, end: int, mode: str | None, writeback: bool = False) -> Any:
+        """Send the tasks; ``mode`` as :func:`write_image`'s (None: a mapping on memory file systems);
+        ``writeback``: the process starts the disk on each range it has written (:func:`fsinfo.early_writeback`)."""
         from . import persist_process
 
         chosen = _resolve_mode(mode if mode is not None else os.environ.get("CHECKPOINTD_WRITE_MODE", "auto").strip().lower(), fd)
         lanes = io_threads() if chosen == "mmap" else write_lanes()
         assert self.process is not None
         try:
-            return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()))
+            return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()), writeback)
         except persist_process.PersistProcessError as exc:
             failed: Future[Any] = Future()
             failed.set_exception(exc)

@@ -1,0 +1,125 @@
+"""Early writeback: on a disk, each range of a checkpoint file is handed to the disk as soon as it is
+written (``sync_file_range``), by the in-process writer and by the persist process; memory file systems
+are left alone; files come out the same either way."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, fsinfo, persist_process, ptlayout, sharedmem
+from checkpointd.manifest import Manifest
+from checkpointd.serialize import plan_pt
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {f"t{i}": torch.randn(300_000 + 1000 * i) for i in range(4)}
+
+
+@pytest.mark.parametrize(("env", "fstype", "expected"), [
+    ("auto", "ext4", True), ("auto", "xfs", True), ("auto", "tmpfs", False), ("auto", None, False),
+    ("1", "tmpfs", True), ("0", "ext4", False), ("off", "xfs", False),
+])
+def test_early_writeback_follows_the_filesystem_and_the_switch(monkeypatch: pytest.MonkeyPatch, env: str,
+                                                               fstype: str | None, expected: bool) -> None:
+    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, env)
+    monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: fstype)
+    assert fsinfo.early_writeback(0) is expected
+
+
+def test_start_writeback_on_a_file_and_on_a_pipe(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert fsinfo.start_writeback(fd, 0, 1 << 20) is True
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        assert fsinfo.start_writeback(w, 0, 4096) is False  # ESPIPE: not supported, not an error
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(OSError):
+        fsinfo.start_writeback(987_654, 0, 4096)  # EBADF is a real failure
+
+
+def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "1")
+    calls: list[tuple[int, int]] = []
+    real = fsinfo.start_writeback
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(fsinfo, "start_writeback", spy)
+    state = _state()
+    path = str(tmp_path / "w.pt")
+    image = ptlayout.pt_image(plan_pt(state))
+    result = ptlayout.write_file(path, image, chunk_bytes=256 << 10)  # plain CPU tensors: written in-process
+    data = Path(path).read_bytes()
+    assert result.crc == zlib.crc32(data) and result.nbytes == len(data)
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    # every byte of every member was in some started range (headers and the pickle included)
+    covered = bytearray(len(data))
+    for offset, n in calls:
+        covered[offset:offset + n] = b"\1" * n
+    tensor_bytes = sum(v.numel() * v.element_size() for v in state.values())
+    assert sum(covered) >= tensor_bytes
+    assert len(calls) >= tensor_bytes // (256 << 10)  # range by range, not once at the end
+
+
+def test_no_writeback_requested_on_memory_filesystems(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "auto")
+    monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: "tmpfs")
+    calls: list[Any] = []
+    monkeypatch.setattr(fsinfo, "start_writeback", lambda *a: calls.append(a) or True)
+    ptlayout.write_file(str(tmp_path / "m.pt"), ptlayout.pt_image(plan_pt(_state())), chunk_bytes=256 << 10)
+    assert calls == []
+
+
+@pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, env)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    requests: list[tuple] = []
+    with CheckpointManager(tmp_path, {"model": model, "optimizer": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        process = persist_process.client()
+        assert process is not None and process.alive
+        real_send = process._send
+
+        def send(message: tuple, fds: list[int] | None = None) -> None:
+            if message[0] == "write":
+                requests.append(message)
+            real_send(message, fds)
+
+        monkeypatch.setattr(process, "_send", send)
+        before = process.writes_done
+        mgr.save(2)
+        mgr.wait()
+        assert process.writes_done >= before + 2
+    assert requests and all(m[-1] is (env == "1") for m in requests)
+    step_dir = tmp_path / "step-000000002"
+    manifest = Manifest.from_json((step_dir / "manifest.json").read_bytes())
+    for entry in manifest.files:
+        data = (step_dir / entry.path).read_bytes()
+        assert f"crc32:{zlib.crc32(data):08x}" == entry.checksum, entry.path
+    weights = torch.load(step_dir / "Sequential.0.2.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(weights[k], v), k
