@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from checkpointd.serialize import plan_pt, write_pt
+from checkpointd.serialize import ReductionCache, plan_pt, write_pt
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -184,3 +184,64 @@ def test_loaded_tensors_get_their_own_hooks_dicts():
         assert ours.read(mine) == theirs.read(torchs)  # the same pickle, byte for byte
     hooks = [got["a"]._backward_hooks, got["b"]._backward_hooks, got["c"][0]._backward_hooks]
     assert len({id(h) for h in hooks}) == 3
+
+
+def _data_pkl(plan) -> bytes:
+    sink = _Sink()
+    write_pt(plan, sink)
+    with zipfile.ZipFile(io.BytesIO(sink.buf.getvalue())) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+
+
+def test_reduction_cache_reuses_and_pickles_byte_for_byte_like_torch_save():
+    """Saves of the same buffers reuse their reductions; the pickle stays torch.save's, hooks dicts apart."""
+    tensors = [torch.randn(4, 5), torch.randn(6).to(torch.bfloat16), torch.arange(7), torch.randn(2, 3, 4, 5)]
+    tensors[3] = tensors[3].contiguous(memory_format=torch.channels_last)
+    obj = {"w": tensors[0], "opt": {"state": {0: {"step": torch.tensor(3.0), "m": tensors[1]}}, "lr": 0.1},
+           "ints": tensors[2], "conv": tensors[3], "again": tensors[0]}
+    cache = ReductionCache()
+    first = plan_pt(obj, cache=cache)
+    assert cache.hits == 0 and len(cache) == 5
+    second = plan_pt(obj, cache=cache)
+    assert cache.hits == 5  # "again" is the same object: the pickle memo has it, no second reduction
+    ref = io.BytesIO()
+    torch.save(obj, ref)
+    with zipfile.ZipFile(ref) as zf:
+        torchs = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    assert _data_pkl(first) == _data_pkl(second) == torchs
+    assert [k for k, _ in first.storages] == [k for k, _ in second.storages] and first.dtypes == second.dtypes
+    sink = _Sink()
+    write_pt(second, sink)
+    got = torch.load(io.BytesIO(sink.buf.getvalue()), weights_only=True)
+    assert _bits_equal(got["conv"], tensors[3]) and got["conv"].stride() == tensors[3].stride()
+    assert got["again"] is got["w"]
+    hooks = [got["w"]._backward_hooks, got["ints"]._backward_hooks, got["conv"]._backward_hooks]
+    assert len({id(h) for h in hooks}) == 3
+
+
+def test_reduction_cache_notices_changed_tensors_and_forgets_freed_ones():
+    cache = ReductionCache()
+    t = torch.randn(10)
+    plan_pt({"t": t}, cache=cache)
+    t.set_(torch.randn(3, 2).untyped_storage(), 0, (3, 2), (2, 1))  # same object, other storage and shape
+    sink = _Sink()
+    write_pt(plan_pt({"t": t}, cache=cache), sink)
+    assert cache.hits == 0
+    got = torch.load(io.BytesIO(sink.buf.getvalue()), weights_only=True)
+    assert torch.equal(got["t"], t)
+    u = torch.randn(5)
+    plan_pt({"u": u}, cache=cache)
+    before = len(cache)
+    del u
+    assert len(cache) == before - 1  # the entry (and the record holder keeping its storage) went with it
+
+
+def test_reduction_cache_keeps_the_device_rule():
+    """A placeholder cached under ``allow_placeholders`` is not served to a plan that does not allow them."""
+    cache = ReductionCache()
+    placeholder = torch.empty(8, device="meta")
+    as_record = plan_pt({"p": placeholder}, allow_placeholders=True, cache=cache)
+    assert len(as_record.storages) == 1
+    plain = plan_pt({"p": placeholder}, cache=cache)
+    assert cache.hits == 0
+    assert plain.pickle_bytes == plan_pt({"p": placeholder}).pickle_bytes and plain.storages == []

@@ -21,7 +21,7 @@ import torch
 
 from . import __version__, layout
 from .manifest import EntryLocation, Manifest
-from .serialize import plan_pt
+from .serialize import ReductionCache, plan_pt
 from .chunkstream import ChunkStream
 from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree
@@ -29,6 +29,10 @@ from .writer import FileJob, SaveJob
 
 ENQUEUE_GRACE_SECS = 2.0
 """How long the writer lets the training thread's hooks queue a snapshot's copies before queueing them itself."""
+
+
+REDUCTIONS = ReductionCache()
+"""Pickle reductions of the staging buffers, reused by every later save of the same buffers (weakly held)."""
 
 
 class _Slot:
@@ -141,7 +145,7 @@ def stage_save(
                 tree = _fill_slots(skeleton, staged, copied)
             except _NeedsCopiedValue:
                 return
-            plan = plan_pt(tree)
+            plan = plan_pt(tree, cache=REDUCTIONS)
             planned.append(FileJob(rel_path=f.rel_path, format=f.format, plan=plan, dtypes=plan.dtypes,
                                    json_members=f.json_members, rank=f.rank))
         job.files.extend(planned)
