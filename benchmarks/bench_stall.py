@@ -507,6 +507,7 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             clipped.append(sum(max(0.0, st[j] - med) for j in idx))
         r["stall_ms"] = [1e3 * x for x in stalls]
         r["stall_clipped_ms"] = [1e3 * x for x in clipped]
+        r["stall_local_ms"] = [1e3 * local_stall(st, s) for s in r["saves"]]
         if r["saves"]:  # where the stall lands: the save step, the next two, the 18 after (means over checkpoints)
             parts = [[st[s - 1 + k] - med for s in r["saves"]] for k in range(3)]
             parts.append([sum(st[j] - med for j in range(s + 2, s - 1 + WINDOW)) for s in r["saves"]])
@@ -525,6 +526,21 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             r["steady_steps"] = len(steady)
             r["steady_mean_ratio"] = mean_m / mean_0
             r["steady_median_ratio"] = C.median([st[j] for j in steady]) / C.median([st0[j] for j in steady])
+
+
+LOCAL_BASE_STEPS = 20
+
+
+def local_stall(st: list[float], save: int) -> float:
+    """A diagnostic beside the issue's stall: the same window against the median of the 20 steps just
+    before the save (which run no checkpoint work) instead of the `none` runs. A host's step time drifts
+    by up to ~1 ms a step between runs a minute apart (21 steps: ~20 ms either way); this baseline is
+    blind to that drift, though not to noise within the window. Verdicts keep the issue's definition."""
+    before = st[max(2, save - 1 - LOCAL_BASE_STEPS):save - 1]
+    if not before:
+        return float("nan")
+    base = C.median(before)
+    return sum(st[j] - base for j in range(save - 1, save - 1 + WINDOW))
 
 
 def persist_and_notes(r: dict, row: dict, width: int) -> None:
@@ -555,6 +571,9 @@ def summarise(res: dict) -> str:
             mean = sum(s) / len(s)
             row.update(stall=C.fmt(mean), smin=C.fmt(min(s)), smax=C.fmt(max(s)),
                        first=C.fmt(s[0]), clip=C.fmt(sum(r["stall_clipped_ms"]) / len(s)))
+            loc = r.get("stall_local_ms") or []
+            if loc:
+                row["local"] = C.fmt(sum(loc) / len(loc))
             b = r["block_s"]
             row.update(block=C.fmt(1e3 * sum(b) / len(b), ".1f"), bfirst=C.fmt(1e3 * b[0], ".1f"))
             if r.get("stall_by_step_ms"):
@@ -592,7 +611,7 @@ def summarise(res: dict) -> str:
         persist_and_notes(r, row, 110)
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
-            ("clip", "stall+"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
+            ("clip", "stall+"), ("local", "local"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
             ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
             ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
             ("persist", "persist s"), ("target", "target"), ("note", "note")]
@@ -615,7 +634,8 @@ def summarise(res: dict) -> str:
         head += ("   `none` baseline median step " + C.fmt(nones[0].get("none_median_step_ms"), ".2f") + " ms (pooled over "
                  + ", ".join(f"{r['method']} {r['median_step_ms']:.2f}" for r in nones) + " ms)\n")
     head += ("   stall = sum over save step + 20 steps of (step - median step of `none`), mean [min, max] over "
-             "checkpoints, first included; stall+ = same with negatives clipped; save/+1/+2/rest = the stall's share on the save step,\n"
+             "checkpoints, first included; stall+ = same with negatives clipped; local = mean of the same windows against the median of\n"
+             "   the 20 steps before each save (blind to drift between runs; a diagnostic, not the verdict); save/+1/+2/rest = the stall's share on the save step,\n"
              "   the next two steps and the 18 after (means); block = time inside the save call;\n"
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"

@@ -199,7 +199,8 @@ def stall_summary(r: dict) -> dict | None:
     b = r.get("block_s") or []
     return {"mean": sum(s) / len(s), "min": min(s), "max": max(s), "first": s[0], "stall_ms": s,
             "save_call_ms": 1e3 * sum(b) / len(b) if b else None, "save_call_first_ms": 1e3 * b[0] if b else None,
-            "steady_mean_ratio": r.get("steady_mean_ratio"), "median_step_ms": r.get("median_step_ms")}
+            "steady_mean_ratio": r.get("steady_mean_ratio"), "median_step_ms": r.get("median_step_ms"),
+            "local_mean": (sum(r["stall_local_ms"]) / len(r["stall_local_ms"])) if r.get("stall_local_ms") else None}
 
 
 def load_ref(path: str | None) -> dict | None:
@@ -228,6 +229,7 @@ def summarise(res: dict) -> str:
         if sm:
             out["stall"] = f"{sm['mean']:.1f} [{sm['min']:.1f}, {sm['max']:.1f}]"
             out["first"] = C.fmt(sm["first"])
+            out["local"] = C.fmt(sm["local_mean"])
             out["block"] = C.fmt(sm["save_call_ms"], ".1f")
             out["bfirst"] = C.fmt(sm["save_call_first_ms"], ".1f")
             bs = stall_summary(base) if base else None
@@ -248,7 +250,7 @@ def summarise(res: dict) -> str:
         if m in ref_runs:
             rows.append(row("1gpu", ref_runs[m], None))
     cols = [("rank", "rank"), ("method", "method"), ("stall", "stall ms mean [min, max]"), ("first", "first"),
-            ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
+            ("local", "local"), ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
             ("persist", "persist s"), ("xref", "x 1gpu"), ("note", "note")]
     i, w = res["info"], res["workload"]
     head = (f"\n== stall, {w['world_size']} ranks ({i['backend']}, FSDP2): {i['device']}, torch {i['torch']}, {i['date']}\n"
@@ -269,7 +271,8 @@ def summarise(res: dict) -> str:
         head += (f"   1gpu rows from {res['ref_path']}: {ref['info'].get('device')}, D={rw['D']} L={rw['L']} B={rw['B']} "
                  f"S={rw['S']}, state {rw['state_bytes'] / 1e9:.3f} GB\n")
     head += ("   stall = sum over the save step + 20 steps of (step - median step of this rank's `none` runs), mean "
-             "[min, max] over checkpoints, first included;\n"
+             "[min, max] over checkpoints, first included; local = the same windows against the median of the 20 steps\n"
+             "   before each save (blind to drift between runs; a diagnostic, not the verdict);\n"
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
              "x 1gpu = mean stall / the single GPU's\n")
     return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])

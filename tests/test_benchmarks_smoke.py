@@ -37,6 +37,7 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     ckd = runs["checkpointd"]
     assert "error" not in ckd, ckd.get("error")
     assert len(ckd["stall_ms"]) >= 3 and len(ckd["stall_by_step_ms"]) == 4
+    assert len(ckd["stall_local_ms"]) == len(ckd["stall_ms"]) and "local" in proc.stdout
     assert ckd["stats"]["saves_committed"] == len(ckd["saves"]) >= 3
     assert len(runs["torch_save"]["stall_ms"]) >= 3
     io_only = runs["io_only"]  # the persist process writing the same bytes, nothing else
