@@ -9,7 +9,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from checkpointd.serialize import ReductionCache, plan_pt, write_pt
+from checkpointd import ptlayout
+from checkpointd.serialize import ReductionCache, plan_pt, storage_view, write_pt
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -217,6 +218,20 @@ def test_reduction_cache_reuses_and_pickles_byte_for_byte_like_torch_save():
     assert got["again"] is got["w"]
     hooks = [got["w"]._backward_hooks, got["ints"]._backward_hooks, got["conv"]._backward_hooks]
     assert len({id(h) for h in hooks}) == 3
+
+
+def test_reduction_cache_keeps_record_views_that_the_layout_writes(tmp_path):
+    tensors = {"a": torch.randn(1000), "b": torch.arange(300, dtype=torch.int16).reshape(10, 30)}
+    cache = ReductionCache()
+    plan_pt(tensors, cache=cache)
+    plan = plan_pt(tensors, cache=cache)
+    assert cache.hits == 2 and set(plan.views) == {k for k, _ in plan.storages}
+    for key, holder in plan.storages:
+        assert bytes(plan.views[key]) == bytes(storage_view(holder))
+    path = str(tmp_path / "cached.pt")
+    ptlayout.write_file(path, ptlayout.pt_image(plan), chunk_bytes=1 << 10)
+    got = torch.load(path, weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
 
 
 def test_reduction_cache_notices_changed_tensors_and_forgets_freed_ones():

@@ -405,8 +405,11 @@ def pt_members(plan: Any, align_small: int = SMALL_ALIGN, align_large: int = LAR
         (f"{a}/.storage_alignment", str(align_small).encode(), 1),
         (f"{a}/byteorder", sys.byteorder.encode(), 1),
     ]
+    kept = getattr(plan, "views", {})  # byte views a ReductionCache kept from earlier saves
     for key, holder in plan.storages:
-        view: Any = Deferred(key, holder.untyped_storage().nbytes()) if holder.device.type == "meta" else storage_view(holder)
+        view: Any = kept.get(key)
+        if view is None:
+            view = Deferred(key, holder.untyped_storage().nbytes()) if holder.device.type == "meta" else storage_view(holder)
         nbytes = view.nbytes
         out.append((f"{a}/data/{key}", view, align_large if nbytes >= LARGE_RECORD_BYTES else align_small))
     out.append((f"{a}/version", b"3\n", 1))

@@ -48,6 +48,8 @@ class PtPlan:
     """(record key, tensor whose storage is the record) in record order."""
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     """Element dtype of each record, as the pickle's tensors view it (a codec's float-aware choice)."""
+    views: dict[str, memoryview] = field(default_factory=dict)
+    """Byte views of CPU records kept by a :class:`ReductionCache` (others are made when written)."""
 
     @property
     def data_nbytes(self) -> int:
@@ -74,7 +76,8 @@ class ReductionCache:
     Why: a save pickles the same staging buffers every time (their layout never changes), and building
     a tensor's reduction (its storage, offset, size, stride, the record holder) was most of the Python
     that pickling holds the GIL for: ~20 us a tensor, which a launch-bound training loop feels on the
-    step after each save. A hit costs a dictionary lookup and a few attribute reads. Entries are keyed
+    step after each save. The record's byte view, which the file layout reads next, is kept with it. A
+    hit costs a dictionary lookup and a few attribute reads. Entries are keyed
     by the tensor's identity (a weak reference, so a freed arena leaves nothing alive) and checked
     against its data pointer and shape before use.
     """
@@ -120,6 +123,7 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
     """
     storages: dict[int, tuple[str, torch.Tensor]] = {}
     dtypes: dict[str, torch.dtype] = {}
+    views: dict[str, memoryview] = {}
     devices = ("cpu", "meta") if allow_placeholders else ("cpu",)
 
     def storage_key(untyped: torch.UntypedStorage) -> str:
@@ -148,9 +152,11 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
                 return NotImplemented
             hit = cache.get(o, devices) if cache is not None else None
             if hit is not None:
-                _, _, _, _, _, cdata, holder, dtype, v3, cached_type, count, layout = hit
+                _, _, _, _, _, cdata, holder, dtype, v3, cached_type, count, layout, view = hit
                 key = cached_key(cdata, holder)
                 dtypes[key] = dtype
+                if view is not None:
+                    views[key] = view
                 return _reduction(v3, _StorageRef(("storage", cached_type, key, "cpu", count)), layout, dtype)
             # Fast path for plain dense CPU tensors: the same reduction Tensor.__reduce_ex__ produces,
             # without its Python-heavy generic path (it held the GIL ~0.1 ms per tensor, which the
@@ -165,7 +171,11 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
             count = untyped.nbytes() if v3 else untyped.nbytes() // o.element_size()
             layout = (o.storage_offset(), tuple(o.size()), o.stride(), o.requires_grad)
             if cache is not None:
-                cache.put(o, (untyped._cdata, storages[untyped._cdata][1], o.dtype, v3, storage_type, count, layout))
+                holder = storages[untyped._cdata][1]
+                view = storage_view(holder) if holder.device.type == "cpu" else None
+                if view is not None:
+                    views[key] = view
+                cache.put(o, (untyped._cdata, holder, o.dtype, v3, storage_type, count, layout, view))
             return _reduction(v3, _StorageRef(("storage", storage_type, key, "cpu", count)), layout, o.dtype)
 
         def persistent_id(self, o: Any) -> Any:
@@ -185,7 +195,7 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(obj)
-    return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()), dtypes=dtypes)
+    return PtPlan(pickle_bytes=buf.getvalue(), storages=list(storages.values()), dtypes=dtypes, views=views)
 
 
 def _reduction(v3: bool, ref: _StorageRef, layout: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, tuple[Any, ...]]:
