@@ -23,7 +23,7 @@ import weakref
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -83,30 +83,48 @@ class ReductionCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[Any, ...]] = {}
+        self._entries: dict[int, _CachedReduction] = {}
         self.hits = 0
         self.misses = 0
 
-    def get(self, t: torch.Tensor, devices: tuple[str, ...]) -> tuple[Any, ...] | None:
+    def get(self, t: torch.Tensor, devices: tuple[str, ...]) -> _CachedReduction | None:
         e = self._entries.get(id(t))
-        if (e is None or e[0]() is not t or e[1] != t.data_ptr() or e[2] != t.shape or t.requires_grad != e[3]
-                or e[4] not in devices):
+        if (e is None or e.tensor() is not t or e.data_ptr != t.data_ptr() or e.shape != t.shape
+                or e.layout[3] != t.requires_grad or e.device_type not in devices):
             self.misses += 1
             return None
         self.hits += 1
         return e
 
-    def put(self, t: torch.Tensor, entry: tuple[Any, ...]) -> None:
+    def put(self, t: torch.Tensor, cdata: int, holder: torch.Tensor, v3: bool, storage_type: Any, count: int,
+            layout: tuple[Any, ...], view: memoryview | None) -> None:
         key, entries = id(t), self._entries
 
         def forget(ref: Any) -> None:  # the tensor is gone: so is its entry, and the record holder in it
-            if entries.get(key, (None,))[0] is ref:
+            entry = entries.get(key)
+            if entry is not None and entry.tensor is ref:
                 entries.pop(key, None)
 
-        entries[key] = (weakref.ref(t, forget), t.data_ptr(), t.shape, t.requires_grad, t.device.type, *entry)
+        entries[key] = _CachedReduction(weakref.ref(t, forget), t.data_ptr(), t.shape, t.device.type, cdata, holder,
+                                        t.dtype, v3, storage_type, count, layout, view)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class _CachedReduction(NamedTuple):
+    tensor: Any  # weakref.ref to the staging tensor
+    data_ptr: int
+    shape: torch.Size
+    device_type: str
+    cdata: int  # the storage's identity
+    holder: torch.Tensor  # uint8 tensor of the whole storage (the record)
+    dtype: torch.dtype
+    v3: bool  # pickled with _rebuild_tensor_v3 (dtypes without a typed storage)
+    storage_type: Any
+    pid_size: int  # the storage's size in the persistent id: bytes (v3) or elements
+    layout: tuple[Any, ...]  # (offset, size, stride, requires_grad)
+    view: memoryview | None  # the record's bytes (CPU records)
 
 
 def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache | None = None) -> PtPlan:
@@ -152,12 +170,11 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
                 return NotImplemented
             hit = cache.get(o, devices) if cache is not None else None
             if hit is not None:
-                _, _, _, _, _, cdata, holder, dtype, v3, cached_type, count, layout, view = hit
-                key = cached_key(cdata, holder)
-                dtypes[key] = dtype
-                if view is not None:
-                    views[key] = view
-                return _reduction(v3, _StorageRef(("storage", cached_type, key, "cpu", count)), layout, dtype)
+                key = cached_key(hit.cdata, hit.holder)
+                dtypes[key] = hit.dtype
+                if hit.view is not None:
+                    views[key] = hit.view
+                return _reduction(hit.v3, _StorageRef(("storage", hit.storage_type, key, "cpu", hit.pid_size)), hit.layout, hit.dtype)
             # Fast path for plain dense CPU tensors: the same reduction Tensor.__reduce_ex__ produces,
             # without its Python-heavy generic path (it held the GIL ~0.1 ms per tensor, which the
             # training thread felt while a large optimizer state was being pickled in the background).
@@ -175,7 +192,7 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
                 view = storage_view(holder) if holder.device.type == "cpu" else None
                 if view is not None:
                     views[key] = view
-                cache.put(o, (untyped._cdata, holder, o.dtype, v3, storage_type, count, layout, view))
+                cache.put(o, untyped._cdata, holder, v3, storage_type, count, layout, view)
             return _reduction(v3, _StorageRef(("storage", storage_type, key, "cpu", count)), layout, o.dtype)
 
         def persistent_id(self, o: Any) -> Any:
