@@ -123,3 +123,30 @@ def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
     weights = torch.load(step_dir / "Sequential.0.2.pt", weights_only=True)
     for k, v in model.state_dict().items():
         assert torch.equal(weights[k], v), k
+
+
+def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a host staging budget the records arrive chunk by chunk (``chunkstream``): those ranges too."""
+    from checkpointd import snapshot
+
+    monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)  # CPU tensors through the chunk ring, as CUDA's
+    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "1")
+    calls: list[tuple[int, int]] = []
+    real = fsinfo.start_writeback
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(fsinfo, "start_writeback", spy)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
+    with CheckpointManager(tmp_path, {"model": model}, compression=None, host_staging_budget_bytes=2 << 20) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        assert mgr.stats()["saves_committed"] == 1
+    weights = torch.load(tmp_path / "step-000000001" / "Sequential.0.1.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(weights[k], v), k
+    tensor_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert sum(n for _, n in calls) >= tensor_bytes  # every streamed byte was in a started range

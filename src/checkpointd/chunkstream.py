@@ -464,12 +464,14 @@ class FileRecords:
             finally:  # on failure, no barrier: the file is discarded and the ring reset after the save
                 stream._consumed(c, 1, self.barrier if passed_on else None)
 
-    def fill(self, pieces: dict[str, Any], put: Callable[[Any, int], None]) -> list[tuple[Any, int, int, int]]:
+    def fill(self, pieces: dict[str, Any], put: Callable[[Any, int], None],
+             written: Callable[[int, int], None] | None = None) -> list[tuple[Any, int, int, int]]:
         """Write every chunk of this file at its records' offsets (positional writers).
 
         Args:
             pieces: record key -> ``ptlayout.Piece`` (``offset`` is where the record starts in the file).
             put: ``put(view, file_offset)`` writes bytes (thread-safe).
+            written: ``written(file_offset, nbytes)`` after each part of a chunk is put (early writeback).
 
         Returns:
             ``(piece, start, stop, crc)`` for every written range, for the caller to combine.
@@ -494,6 +496,8 @@ class FileRecords:
                         sl = view[pos:pos + CRC_SLICE_BYTES]
                         crc = crc32(sl, crc)
                         put(sl, piece.offset + part.start + pos)
+                    if written is not None:
+                        written(piece.offset + part.start, view.nbytes)
                     out.append((piece, part.start, part.start + part.length, crc))
             except BaseException as exc:
                 stream.abort(exc)

@@ -526,8 +526,10 @@ def _resolve_mode(mode: str, fd: int | None) -> str:
     return "mmap" if is_memory_backed(fd_filesystem_type(fd)) else "pwrite"
 
 
-FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None]], list[tuple[Piece, int, int, int]]]
-"""``fill(deferred pieces by key, put) -> [(piece, start, stop, crc)]``: writes :class:`Deferred` members."""
+FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None], Callable[[int, int], None] | None],
+                  list[tuple[Piece, int, int, int]]]
+"""``fill(deferred pieces by key, put, written) -> [(piece, start, stop, crc)]``: writes :class:`Deferred`
+members; ``written(offset, nbytes)`` (or None) after each range is put, as :func:`_put_task`'s."""
 
 
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -583,7 +585,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
             done.update(shared.finish(remote, lambda ts: run_tasks([make(t) for t in ts], executor, lanes=lanes)))
             remote = None
         if deferred:
-            _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put))  # type: ignore[misc]
+            _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put, written))  # type: ignore[misc]
     finally:
         if remote is not None:  # a local failure: let the process finish with the file before it is removed
             remote.exception()
