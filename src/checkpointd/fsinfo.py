@@ -1,4 +1,5 @@
-"""Which filesystem a local path lives on (Linux ``/proc/self/mountinfo``), for choosing a write mode.
+"""Which filesystem a local path lives on (Linux ``/proc/self/mountinfo``), for choosing a write mode,
+and whether (and how) a writer hands written ranges to the disk early (:func:`early_writeback`).
 
 Why: the fastest way to fill one file from many threads depends on the filesystem. Measured on a
 16-core H200 host (``benchmarks/RESULTS.md``, 3 GB into one file): on tmpfs, positional writes stop at
