@@ -314,8 +314,7 @@ class IoOnly(Saver):
             path = os.path.join(self.b.dir, f"io{step}-{k}-rank{os.environ.get('RANK', '0')}.bin")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fd, size)
-            mode = self.ptlayout._resolve_mode(os.environ.get("CHECKPOINTD_WRITE_MODE", "auto").strip().lower(), fd)  # as a save's
-            lanes = self.ptlayout.io_threads() if mode == "mmap" else self.ptlayout.write_lanes()
+            mode, lanes = self.ptlayout.persist_mode(fd)  # as a save's
             tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
             fut = self.pp.client().submit_write(fd, size, mode, lanes, tasks, [self.slab], self.fsinfo.early_writeback(fd))
             fut.add_done_callback(lambda _f: self.done_at.append(time.perf_counter()))

@@ -51,7 +51,8 @@ def test_start_writeback_on_a_file_and_on_a_pipe(tmp_path: Path) -> None:
         fsinfo.start_writeback(987_654, 0, 4096)  # EBADF is a real failure
 
 
-def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_writebacks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Early writeback forced on; every ``(offset, nbytes)`` handed to the disk in this process is recorded."""
     monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "1")
     calls: list[tuple[int, int]] = []
     real = fsinfo.start_writeback
@@ -61,6 +62,11 @@ def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, mo
         return real(fd, offset, nbytes)
 
     monkeypatch.setattr(fsinfo, "start_writeback", spy)
+    return calls
+
+
+def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _record_writebacks(monkeypatch)
     state = _state()
     path = str(tmp_path / "w.pt")
     image = ptlayout.pt_image(plan_pt(state))
@@ -130,15 +136,7 @@ def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeyp
     from checkpointd import snapshot
 
     monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)  # CPU tensors through the chunk ring, as CUDA's
-    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "1")
-    calls: list[tuple[int, int]] = []
-    real = fsinfo.start_writeback
-
-    def spy(fd: int, offset: int, nbytes: int) -> bool:
-        calls.append((offset, nbytes))
-        return real(fd, offset, nbytes)
-
-    monkeypatch.setattr(fsinfo, "start_writeback", spy)
+    calls = _record_writebacks(monkeypatch)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
     with CheckpointManager(tmp_path, {"model": model}, compression=None, host_staging_budget_bytes=2 << 20) as mgr:

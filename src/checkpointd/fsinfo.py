@@ -15,7 +15,7 @@ import ctypes
 import errno
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
@@ -116,6 +116,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     raise OSError(err, f"sync_file_range: {os.strerror(err)}")
 
 
+def writeback_starter(fd: int) -> Callable[[int, int], None]:
+    """``written(offset, nbytes)`` for a writer of ``fd``: :func:`start_writeback` on each written range,
+    no more calls once the file system said it does not support it."""
+    supported = [True]
+
+    def written(offset: int, nbytes: int) -> None:
+        if supported[0] and nbytes:
+            supported[0] = start_writeback(fd, offset, nbytes)
+    return written
+
+
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>; Python's os module has no sync_file_range
 
 
@@ -132,4 +143,4 @@ def _sync_file_range() -> Any:
 
 
 __all__ = ["EARLY_WRITEBACK_ENV", "early_writeback", "fd_filesystem_type", "filesystem_type", "is_memory_backed",
-           "start_writeback"]
+           "start_writeback", "writeback_starter"]

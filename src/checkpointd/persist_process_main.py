@@ -107,7 +107,7 @@ class Server:
         self.writes: set[threading.Thread] = set()
         self.crc32 = _load_sibling("crc").crc32
         self.run_in_lanes = _load_sibling("lanes").run_in_lanes
-        self.start_writeback = _load_sibling("fsinfo").start_writeback
+        self.writeback_starter = _load_sibling("fsinfo").writeback_starter
 
     def reply(self, message: tuple) -> None:
         try:
@@ -182,7 +182,7 @@ class Server:
                             raise OSError(f"pwrite wrote {done} bytes")
                         view, n, offset = view[done:], n - done, offset + done
 
-            written = _writeback_starter(fd, self.start_writeback) if writeback else None
+            written = self.writeback_starter(fd) if writeback else None
             return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
         finally:
             if mapped is not None:
@@ -207,16 +207,6 @@ class Server:
                     written(offset, length)
             return crcs
         return run
-
-
-def _writeback_starter(fd: int, start_writeback: Callable[[int, int, int], bool]) -> Callable[[int, int], None]:
-    """``written(offset, nbytes)``: start the disk on a written range; stops asking where unsupported."""
-    supported = [True]
-
-    def written(offset: int, nbytes: int) -> None:
-        if supported[0] and nbytes:
-            supported[0] = start_writeback(fd, offset, nbytes)
-    return written
 
 
 def lower_priority(nice: int) -> str:

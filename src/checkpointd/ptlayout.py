@@ -471,18 +471,6 @@ def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
     return crcs
 
 
-def _writeback_starter(fd: int) -> Callable[[int, int], None] | None:
-    """``written(offset, nbytes)`` that starts the disk on each written range (:func:`fsinfo.early_writeback`)."""
-    if not fsinfo.early_writeback(fd):
-        return None
-    supported = [True]
-
-    def written(offset: int, nbytes: int) -> None:
-        if supported[0] and nbytes:
-            supported[0] = fsinfo.start_writeback(fd, offset, nbytes)
-    return written
-
-
 def plan_tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[tuple[Piece, int, int]]]:
     """Group ``pieces`` into tasks of about ``chunk_bytes``: lists of ``(piece, start, stop)`` ranges."""
     tasks: list[list[tuple[Piece, int, int]]] = []
@@ -570,7 +558,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         def put(part: Any, offset: int) -> None:
             _pwrite_all(fd, part, offset)
 
-    written = _writeback_starter(fd)
+    written = fsinfo.writeback_starter(fd) if fsinfo.early_writeback(fd) else None
 
     def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task], written)
@@ -609,6 +597,14 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
 
 
+def persist_mode(fd: int, mode: str | None = None) -> tuple[str, int]:
+    """``(mode, lanes)`` the persist process writes ``fd`` with: ``mode`` or ``CHECKPOINTD_WRITE_MODE``
+    (default ``auto``: a mapping on memory file systems, filled by every I/O thread; else :func:`write_lanes`
+    positional writers)."""
+    chosen = _resolve_mode(mode if mode is not None else os.environ.get("CHECKPOINTD_WRITE_MODE", "auto").strip().lower(), fd)
+    return chosen, io_threads() if chosen == "mmap" else write_lanes()
+
+
 class _SharedPieces:
     """Splits a file's staged pieces: those in shared staging memory go to the persist process.
 
@@ -645,8 +641,7 @@ class _SharedPieces:
         ``writeback``: the process starts the disk on each range it has written (:func:`fsinfo.early_writeback`)."""
         from . import persist_process
 
-        chosen = _resolve_mode(mode if mode is not None else os.environ.get("CHECKPOINTD_WRITE_MODE", "auto").strip().lower(), fd)
-        lanes = io_threads() if chosen == "mmap" else write_lanes()
+        chosen, lanes = persist_mode(fd, mode)
         assert self.process is not None
         try:
             return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()), writeback)
