@@ -18,7 +18,10 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
   snapshot": the persist alone, if the writer does not overlap the snapshot).
 
-Each is repeated --repeat times; "GB/s" is state bytes / best time; "first" is the first repetition.
+Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
+every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
+every row alike. "GB/s" is state bytes / best time; "first" is the first repetition; "x raw/round" is
+the median over rounds of the row's best time in the round against the best raw row's in the same round.
 Targets (issue 4 part 1, issue 6): checkpointd >= 0.9x raw and >= 3x torch.save.
 
 Run:  python benchmarks/bench_persist.py [--state-gb 5] [--dirs /dev/shm/x,/var/tmp/x] [--json out.json]
@@ -30,10 +33,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,6 +64,75 @@ def host_mirror(ts: list[torch.Tensor], dev: C.Dev) -> list[torch.Tensor]:
     return out
 
 
+class Row:
+    """One table row: ``once()`` times a single repetition; ``close()`` frees what the row holds.
+
+    Rows are timed round by round (``--rounds``): every row's repetitions of round 1, then of round 2,
+    and so on, so a target whose speed drifts during the run (a disk that slows as it fills its
+    cache, a host that warms up) spreads the drift over all rows instead of charging the last ones.
+    """
+
+    def __init__(self, method: str, kind: str, once: Callable[[], float] | None = None) -> None:
+        self.data: dict[str, Any] = {"method": method, "kind": kind, "times_s": [], "rounds": []}
+        self._once = once
+
+    def once(self) -> float:
+        assert self._once is not None
+        return self._once()
+
+    def close(self) -> None:
+        pass
+
+
+def raw_row(root: str, views, method: str, **kw) -> Row:
+    def once() -> float:
+        d = os.path.join(root, "raw")
+        C.clean_dir(d)
+        dt, _ = C.raw_write(d, views, **kw)
+        shutil.rmtree(d, ignore_errors=True)
+        return dt
+    return Row(method, "raw", once)
+
+
+def torch_save_row(root: str, out: dict, model, opt) -> Row:
+    def once() -> float:
+        p = os.path.join(root, "torch_save.pt")
+        C.collect()
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, p)
+        C.fsync_path(p)
+        dt = time.perf_counter() - t0
+        out["torch_save_file_bytes"] = os.path.getsize(p)
+        os.remove(p)
+        return dt
+    return Row("torch_save (+fsync)", "torch_save", once)
+
+
+def rows_for(out: dict, root: str, args, dev: C.Dev, model, opt, views) -> list[Row]:
+    """The rows of one directory, in table order."""
+    rows: list[Row] = []
+    if "raw" in args.methods:  # every (files, threads) variant; the best is the ceiling
+        for thr in C.thread_counts(args.raw_threads):
+            for nf in sorted({1, thr}):
+                rows.append(raw_row(root, views, f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr", nfiles=nf, threads=thr))
+            if thr > 1:  # the same into one mapped file (checkpointd's mode on tmpfs): scales where pwrite cannot
+                rows.append(raw_row(root, views, f"raw 1 file x {thr} thr (mmap)", nfiles=1, threads=thr, mmap_mode=True))
+            if thr > 1 and not C.is_memory_fs(out["fs"]):  # disks: each chunk handed to the disk once written
+                for nf in sorted({1, thr}):
+                    rows.append(raw_row(root, views, f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr (writeback)",
+                                        nfiles=nf, threads=thr, writeback=True))
+        # the checkpoint's own files (model, optimizer) side by side, one thread each: what a save of
+        # this state can reach when each file is written at the speed one file allows
+        n_model = sum(1 for _ in model.parameters())
+        like = [list(range(n_model)), list(range(n_model, len(views)))]
+        rows.append(raw_row(root, views, "raw model + optim files x 1 thr each", nfiles=2, threads=2, groups=like))
+    if "torch_save" in args.methods:
+        rows.append(torch_save_row(root, out, model, opt))
+    for m in [m for m in args.methods if m.startswith("checkpointd")]:
+        rows.append(CheckpointdRow(root, m, args, dev, model, opt))
+    return rows
+
+
 def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_bytes: int, flush) -> None:
     """One target directory; rows are appended to ``out["rows"]`` and ``flush()`` runs after each."""
     C.clean_dir(root)
@@ -69,138 +142,115 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, views, state_b
     if free < need:
         out["skipped"] = f"needs {need / 1e9:.1f} GB free, has {free / 1e9:.1f} GB"
         return
-    rows = out["rows"]
-
-    def add(row: dict) -> None:
-        rows.append(row)
-        flush()
-    # raw: every (files, threads) variant; the best is the ceiling
-    if "raw" in args.methods:
-        for thr in C.thread_counts(args.raw_threads):
-            for nf in sorted({1, thr}):
-                times = []
+    rows = rows_for(out, root, args, dev, model, opt, views)
+    try:
+        for rnd in range(args.rounds):
+            for row in rows:
+                if rnd == 0:
+                    out["rows"].append(row.data)
+                if row.data.get("error") or row.data.get("skipped"):
+                    continue
                 for _ in range(args.repeat):
-                    d = os.path.join(root, "raw")
-                    C.clean_dir(d)
-                    dt, _ = C.raw_write(d, views, nfiles=nf, threads=thr)
-                    times.append(dt)
-                    shutil.rmtree(d, ignore_errors=True)
-                add({"method": f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr", "kind": "raw", "times_s": times})
-            if thr > 1:  # the same into one mapped file (checkpointd's mode on tmpfs): scales where pwrite cannot
-                times = []
-                for _ in range(args.repeat):
-                    d = os.path.join(root, "raw")
-                    C.clean_dir(d)
-                    dt, _ = C.raw_write(d, views, nfiles=1, threads=thr, mmap_mode=True)
-                    times.append(dt)
-                    shutil.rmtree(d, ignore_errors=True)
-                add({"method": f"raw 1 file x {thr} thr (mmap)", "kind": "raw", "times_s": times})
-            if thr > 1 and not C.is_memory_fs(out["fs"]):  # disks: each chunk handed to the disk once written
-                for nf in sorted({1, thr}):
-                    times = []
-                    for _ in range(args.repeat):
-                        d = os.path.join(root, "raw")
-                        C.clean_dir(d)
-                        dt, _ = C.raw_write(d, views, nfiles=nf, threads=thr, writeback=True)
-                        times.append(dt)
-                        shutil.rmtree(d, ignore_errors=True)
-                    add({"method": f"raw {nf} file{'s' if nf > 1 else ''} x {thr} thr (writeback)", "kind": "raw",
-                         "times_s": times})
-        # the checkpoint's own files (model, optimizer) side by side, one thread each: what a save of
-        # this state can reach when each file is written at the speed one file allows
-        n_model = sum(1 for _ in model.parameters())
-        like = [list(range(n_model)), list(range(n_model, len(views)))]
-        times = []
-        for _ in range(args.repeat):
-            d = os.path.join(root, "raw")
-            C.clean_dir(d)
-            dt, _ = C.raw_write(d, views, nfiles=2, threads=2, groups=like)
-            times.append(dt)
-            shutil.rmtree(d, ignore_errors=True)
-        add({"method": "raw model + optim files x 1 thr each", "kind": "raw", "times_s": times})
-    if "torch_save" in args.methods:
-        times = []
-        for _ in range(args.repeat):
-            p = os.path.join(root, "torch_save.pt")
-            C.collect()
-            t0 = time.perf_counter()
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, p)
-            C.fsync_path(p)
-            times.append(time.perf_counter() - t0)
-            out["torch_save_file_bytes"] = os.path.getsize(p)
-            os.remove(p)
-        add({"method": "torch_save (+fsync)", "kind": "torch_save", "times_s": times})
-    for m in [m for m in args.methods if m.startswith("checkpointd")]:
-        add(bench_ckd(root, m, args, dev, model, opt, state_bytes))
+                    try:
+                        dt = row.once()
+                    except Exception as e:  # noqa: BLE001 - one broken row must not end the table
+                        traceback.print_exc()
+                        row.data["error"] = C.error_text(e)
+                        break
+                    row.data["times_s"].append(dt)
+                    row.data["rounds"].append(rnd)
+                flush()
+    finally:
+        for row in rows:
+            row.close()
     C.clean_dir(root)
     shutil.rmtree(root, ignore_errors=True)
 
 
-def bench_ckd(root: str, method: str, args, dev: C.Dev, model, opt, state_bytes: int) -> dict:
-    row: dict[str, Any] = {"method": method, "kind": method, "times_s": [], "notes": []}
-    ckd = C.try_import_checkpointd()
-    if isinstance(ckd, str):
-        row["error"] = ckd
-        return row
-    compression = "zstd" if method.endswith("zstd") else None
-    if compression and not C.has_zstd():
-        row["skipped"] = "zstandard is not installed"
-        return row
-    d = os.path.join(root, method)
-    C.clean_dir(d)
-    kw = dict(keep_last=None, compression=compression, max_pending=1)
-    kw.update(C.parse_json_arg(args.ckd_kwargs))
-    knobs = METHOD_ENV.get(method, {})
-    if knobs:
-        row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))
-    with C.env_set(knobs):
-        _timed_saves(row, d, args, dev, model, opt, kw)
-    shutil.rmtree(d, ignore_errors=True)
-    return row
+class CheckpointdRow(Row):
+    """checkpointd's save of the state by one manager, from maybe_save(force=True) until wait() returns.
 
+    The manager lives across rounds (its staging arena is pinned once, as in training); each
+    repetition's step directory is removed outside the timed region.
+    """
 
-def _timed_saves(row: dict, d: str, args, dev: C.Dev, model, opt, kw: dict) -> None:
-    """--repeat saves of one manager on ``d``, each from maybe_save until wait() returns, into ``row``."""
-    mgr = None
-    try:
-        t0 = time.perf_counter()
-        mgr = C.make_manager(d, {"model": model, "optim": opt}, notes=row["notes"], **kw)
-        row["setup_s"] = time.perf_counter() - t0
-        block = []
-        for rep in range(args.repeat):
-            step = rep + 1
+    def __init__(self, root: str, method: str, args, dev: C.Dev, model, opt) -> None:
+        super().__init__(method, method)
+        self.data["notes"] = []
+        self.dir = os.path.join(root, method)
+        self.args, self.dev, self.model, self.opt = args, dev, model, opt
+        self.knobs = METHOD_ENV.get(method, {})
+        self.mgr: Any = None
+        self.step = 0
+        if self.knobs:
+            self.data["notes"].append(" ".join(f"{k}={v}" for k, v in self.knobs.items()))
+        ckd = C.try_import_checkpointd()
+        self.compression = "zstd" if method.endswith("zstd") else None
+        if isinstance(ckd, str):
+            self.data["error"] = ckd
+        elif self.compression and not C.has_zstd():
+            self.data["skipped"] = "zstandard is not installed"
+
+    def once(self) -> float:
+        row, d = self.data, self.dir
+        with C.env_set(self.knobs):
+            if self.mgr is None:
+                C.clean_dir(d)
+                kw = dict(keep_last=None, compression=self.compression, max_pending=1)
+                kw.update(C.parse_json_arg(self.args.ckd_kwargs))
+                t0 = time.perf_counter()
+                self.mgr = C.make_manager(d, {"model": self.model, "optim": self.opt}, notes=row["notes"], **kw)
+                row["setup_s"] = time.perf_counter() - t0
+            self.step += 1
             C.collect()
-            dev.sync()
+            self.dev.sync()
             t0 = time.perf_counter()
-            started = mgr.maybe_save(step, force=True)
+            started = self.mgr.maybe_save(self.step, force=True)
             tb = time.perf_counter()
-            if hasattr(mgr, "wait_for_snapshot"):  # SPEC section 1: the snapshot copies are done
-                mgr.wait_for_snapshot()
+            if hasattr(self.mgr, "wait_for_snapshot"):  # SPEC section 1: the snapshot copies are done
+                self.mgr.wait_for_snapshot()
             ts = time.perf_counter()
-            mgr.wait()
+            self.mgr.wait()
             t1 = time.perf_counter()
-            row.setdefault("snapshot_s", []).append(ts - t0)
-            row.setdefault("after_snapshot_s", []).append(t1 - ts)
-            if not started:
-                row["notes"].append(f"maybe_save({step}, force=True) returned False")
-            row["times_s"].append(t1 - t0)
-            block.append(tb - t0)
-            sd = [os.path.join(d, x) for x in os.listdir(d) if x.startswith("step-")]
-            row["disk_bytes"] = sum(C.dir_bytes(x) for x in sd)
-            row["stats"] = C.safe_stats(mgr)
-            if not args.keep_files:  # free the space outside the timed region (the manager keeps all)
-                for x in sd:
-                    shutil.rmtree(x, ignore_errors=True)
-        row["block_s"] = block
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        row["error"] = C.error_text(e)
-    finally:
-        if mgr is not None:
+        row.setdefault("snapshot_s", []).append(ts - t0)
+        row.setdefault("after_snapshot_s", []).append(t1 - ts)
+        row.setdefault("block_s", []).append(tb - t0)
+        if not started:
+            row["notes"].append(f"maybe_save({self.step}, force=True) returned False")
+        sd = [os.path.join(d, x) for x in os.listdir(d) if x.startswith("step-")]
+        row["disk_bytes"] = sum(C.dir_bytes(x) for x in sd)
+        row["stats"] = C.safe_stats(self.mgr)
+        if not self.args.keep_files:  # free the space outside the timed region (the manager keeps all)
+            for x in sd:
+                shutil.rmtree(x, ignore_errors=True)
+        return t1 - t0
+
+    def close(self) -> None:
+        if self.mgr is not None:
             try:
-                mgr.close()
+                self.mgr.close()
             except Exception as e:  # noqa: BLE001
-                row["notes"].append("close: " + C.error_text(e))
+                self.data["notes"].append("close: " + C.error_text(e))
+            self.mgr = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def round_bests(rows: list[dict]) -> dict[int, float]:
+    """Round -> the best (shortest) time of any of ``rows`` in that round."""
+    best: dict[int, float] = {}
+    for r in rows:
+        if r.get("error"):
+            continue
+        for rnd, t in zip(r.get("rounds", []), r.get("times_s", [])):
+            best[rnd] = min(best.get(rnd, t), t)
+    return best
+
+
+def per_round_ratio(row: dict, raw_by_round: dict[int, float]) -> float | None:
+    """Median over rounds of (best raw time / the row's best time) within each round: drift-paired x raw."""
+    mine = round_bests([row])
+    ratios = sorted(raw_by_round[k] / mine[k] for k in mine if k in raw_by_round)
+    return statistics.median(ratios) if ratios else None
 
 
 def summarise(res: dict) -> str:
@@ -208,8 +258,9 @@ def summarise(res: dict) -> str:
     lines = [f"\n== persist: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores",
              f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}, fp32 params + AdamW moments), "
              f"on {w['state_on']}{' pinned' if w['pinned'] else ''}",
-             "   GB/s = state bytes / best of --repeat (first = first repetition); x raw = vs the best raw row of the same dir; "
-             "targets: checkpointd >= 0.9x raw, >= 3x torch_save"]
+             f"   GB/s = state bytes / best of {res['args']['repeat']} x {res['args'].get('rounds', 1)} round(s) (first = first "
+             "repetition); x raw = vs the best raw row of the same dir; x raw/round = median over rounds of the same, "
+             "round by round (rows interleave); targets: checkpointd >= 0.9x raw, >= 3x torch_save"]
     for d in res["dirs"]:
         lines.append(f"\n-- {d['dir']} ({d['fs']})")
         if d.get("skipped"):
@@ -217,6 +268,7 @@ def summarise(res: dict) -> str:
             continue
         rows = d["rows"]
         raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
+        raw_by_round = round_bests([r for r in rows if r["kind"] == "raw"])
         ts_best = next((r["GBps"] for r in rows if r["kind"] == "torch_save" and r.get("GBps")), None)
         trows = []
         for r in rows:
@@ -225,6 +277,9 @@ def summarise(res: dict) -> str:
                 t.update(gbps=C.fmt(r["GBps"], ".2f"), best=C.fmt(min(r["times_s"]), ".3f"), first=C.fmt(r["times_s"][0], ".3f"))
                 if raw_best:
                     t["xraw"] = C.fmt(r["GBps"] / raw_best, ".2f")
+                paired = per_round_ratio(r, raw_by_round)
+                if paired is not None and len(raw_by_round) > 1:
+                    t["xround"] = C.fmt(paired, ".2f")
                 if ts_best:
                     t["xts"] = C.fmt(r["GBps"] / ts_best, ".2f")
                 if r["kind"].startswith("checkpointd"):
@@ -246,7 +301,7 @@ def summarise(res: dict) -> str:
             if note:
                 t["note"] = note[:110]
             trows.append(t)
-        cols = [("method", "method"), ("gbps", "GB/s"), ("best", "best s"), ("first", "first s"), ("xraw", "x raw"),
+        cols = [("method", "method"), ("gbps", "GB/s"), ("best", "best s"), ("first", "first s"), ("xraw", "x raw"), ("xround", "x raw/round"),
                 ("xts", "x torch_save"), ("target", "0.9x raw/3x ts"), ("block", "block ms"), ("snap", "snapshot ms"),
                 ("after", "GB/s after snapshot"), ("ratio", "size ratio"), ("note", "note")]
         lines.append(C.table(trows, [c for c in cols if any(c[0] in r for r in trows)]))
@@ -266,7 +321,10 @@ def parse_args(argv=None):
                    help="comma list of target directories (each is created and removed)")
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"), help="thread counts for raw writes")
-    p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
+    p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2), help="repetitions of a row in each round")
+    p.add_argument("--rounds", type=int, default=C.env_int("ROUNDS", 1),
+                   help="passes over all rows, interleaved (round 1 of every row, then round 2, ...): use 3 or more "
+                        "on disks whose speed drifts during a run")
     p.add_argument("--keep-files", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
     p.add_argument("--json", default=None)
@@ -297,9 +355,12 @@ def main(argv=None):
     def flush():
         for dd in res["dirs"]:
             for r in dd["rows"]:
-                if r.get("times_s") and not r.get("error") and "GBps" not in r:
+                if r.get("times_s") and not r.get("error") and r.get("_shown") != len(r["times_s"]):
+                    r["_shown"] = len(r["times_s"])
                     r["GBps"] = st["state_bytes"] / min(r["times_s"]) / 1e9
-                    print(f"[persist] {dd['dir']}: {r['method']}: {r['GBps']:.2f} GB/s", flush=True)
+                    last = st["state_bytes"] / r["times_s"][-1] / 1e9
+                    print(f"[persist] {dd['dir']}: {r['method']}: round {r['rounds'][-1] + 1}: last {last:.2f} GB/s, "
+                          f"best so far {r['GBps']:.2f}", flush=True)
                 elif r.get("error") and not r.get("_printed"):
                     r["_printed"] = True
                     print(f"[persist] {dd['dir']}: {r['method']}: {r['error']}", flush=True)

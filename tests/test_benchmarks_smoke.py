@@ -50,13 +50,18 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "persist.json"
-    _run("bench_persist.py", "--cpu", "--tiny", "--repeat", "1", "--raw-threads", "1,2", "--dirs",
-         str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd", "--json", str(out))
+    proc = _run("bench_persist.py", "--cpu", "--tiny", "--repeat", "1", "--rounds", "2", "--raw-threads", "1,2", "--dirs",
+                str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd", "--json", str(out))
     data = json.loads(out.read_text())
     rows = [r for d in data["dirs"] for r in d.get("rows", [])]
     methods = {r["method"] for r in rows}
     assert {"checkpointd", "torch_save (+fsync)", "raw model + optim files x 1 thr each"} <= methods, methods
-    assert all(r.get("times_s") for r in rows if r["method"] == "checkpointd")
+    for r in rows:  # every row timed once in each of the two interleaved rounds
+        assert "error" not in r, r["error"]
+        assert r["rounds"] == [0, 1] and len(r["times_s"]) == 2, (r["method"], r["rounds"])
+    ckd = next(r for r in rows if r["method"] == "checkpointd")
+    assert ckd["stats"]["saves_committed"] == 2  # one manager across the rounds
+    assert "x raw/round" in proc.stdout
     if data["dirs"][0]["fs"] not in ("tmpfs", "ramfs"):  # a disk: raw rows with early writeback too
         assert {"raw 1 file x 2 thr (writeback)", "raw 2 files x 2 thr (writeback)"} <= methods, methods
 
