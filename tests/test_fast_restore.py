@@ -77,8 +77,11 @@ def test_plain_and_fast_paths_agree(tmp_path, monkeypatch) -> None:
         assert _same(model, opt, ref)
 
 
+@pytest.mark.parametrize("mapped", ["0", "1"])
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_corrupted_byte_is_refused_before_anything_is_applied(tmp_path, compression) -> None:
+def test_corrupted_byte_is_refused_before_anything_is_applied(tmp_path, monkeypatch, compression, mapped) -> None:
+    """Mapped uncompressed files are parsed while checksummed: a bad checksum still refuses the parse."""
+    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
     model, opt = _train_state()
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=compression) as mgr:
         mgr.save(1)
@@ -108,14 +111,48 @@ def test_truncated_file_is_refused(tmp_path) -> None:
             mgr.restore(1)
 
 
-def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("mapped", ["0", "1"])
+def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch, mapped) -> None:
+    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
     monkeypatch.setattr(fastload, "READ_CHUNK_BYTES", 100_000)
+    monkeypatch.setattr(fastload, "MAP_CRC_BYTES", 300_000)
     data = os.urandom(1_234_567)
     p = tmp_path / "blob"
     p.write_bytes(data)
-    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob")
+    seen: list[bytes] = []
+    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob",
+                                                      meanwhile=lambda b: seen.append(bytes(b.numpy())))
     assert size == len(data) and bytes(buf.numpy()) == data
     assert checksum == f"crc32:{zlib.crc32(data):08x}"
+    assert seen == [data]  # called once, with every byte already there
+
+
+@pytest.mark.parametrize("mapped", ["0", "1"])
+def test_uncompressed_files_are_parsed_once(tmp_path, monkeypatch, mapped) -> None:
+    """Parsed during the checksum when mapped, after the read otherwise: once per file either way."""
+    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
+    model, opt = _train_state()
+    ref = _snapshot(model, opt)
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        calls = []
+        real = fastload.load_native_in_place
+        monkeypatch.setattr(fastload, "load_native_in_place", lambda buf, fmt: calls.append(fmt) or real(buf, fmt))
+        _scramble(model, opt)
+        assert mgr.restore_latest() == 1
+    assert _same(model, opt, ref)
+    files = [f for f in (tmp_path / "step-000000001").iterdir() if f.suffix in (".pt", ".mdlus")]
+    assert len(calls) == len(files) == 2
+
+
+def test_run_tasks_runs_meanwhile_once_on_every_path() -> None:
+    from checkpointd import ptlayout
+
+    for n, lanes in ((0, None), (1, None), (5, None), (5, 2)):
+        log: list[str] = []
+        out = ptlayout.run_tasks([lambda i=i: i * i for i in range(n)], lanes=lanes, meanwhile=lambda: log.append("m"))
+        assert out == [i * i for i in range(n)] and log == ["m"], (n, lanes)
 
 
 def test_in_place_tensors_view_the_buffer_and_mdlus_member() -> None:

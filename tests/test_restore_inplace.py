@@ -234,6 +234,21 @@ def test_custom_module_and_hooks_take_the_per_entry_path(monkeypatch) -> None:
     assert calls[-1] == "hook"
 
 
+def test_intra_op_threads_are_raised_for_the_block_and_put_back() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with bulkcopy._intra_op_threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        with bulkcopy._intra_op_threads(1):  # never lowered
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bulkcopy_helpers() -> None:
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     assert bulkcopy.is_dense(x) and bulkcopy.is_dense(torch.randn(3)) and not bulkcopy.is_dense(torch.randn(4, 4)[:, :2])

@@ -4,35 +4,41 @@ Why: restore used to copy tensor by tensor with pageable host->device copies (``
 one synchronous pageable copy at a time, 12-18 GB/s on H100/H200 hosts, far less for the small
 tensors), while pinning the whole read buffer costs about 0.4-0.5 s per GiB, more than the copy
 itself. Here every host->device pair whose bytes can be copied as they are (same dtype, same strides,
-dense) is split into chunks; several threads each memcpy a chunk into one of their two reused pinned
-chunks (allocated once per process and kept) and push it to the GPU on their own stream, double
-buffered with events, so host memcpy, DMA and the other threads overlap. Everything else (dtype
-casts, layout changes, CPU destinations) is a plain ``copy_``, exactly what ``load_state_dict`` does.
+dense) is split into 16 MiB chunks; each chunk is copied into one of four reused pinned chunks by one
+``copy_`` that torch spreads over its intra-op threads, then pushed to the GPU on a side stream, so
+the next chunk's host copy overlaps this chunk's DMA. Everything else (dtype casts, layout changes,
+CPU destinations) is a plain ``copy_``, exactly what ``load_state_dict`` does.
+
+Why torch's intra-op threads and one Python thread, not a Python thread per chunk: every Python-level
+step of a chunk (the memcpy call, the launch, the event) drops and retakes the GIL, and with 16
+threads each retake waits its turn. On a 16-core H200 host (4.8 GB, 240 tensors, tmpfs mapping into
+live CUDA tensors) 16 Python threads with two 8 MiB chunks each took 150 ms (33 GB/s; with 1 MiB
+chunks 4x slower), one thread with 16 intra-op threads and four 16 MiB chunks 103 ms (49 GB/s; 64 MiB
+chunks 111 ms; 8 intra-op threads 134 ms).
 
 Strategies (``CHECKPOINTD_RESTORE_H2D``, so a benchmark can compare them in one run):
 
 - ``auto`` (default): ``bounce`` when there is CUDA work of at least ``AUTO_MIN_BYTES``, else ``serial``;
 - ``bounce``: the pinned pool above;
-- ``pageable``: the same threads and streams, each doing pageable ``non_blocking`` copies;
+- ``pageable``: Python threads (``CHECKPOINTD_RESTORE_THREADS``), each doing pageable ``non_blocking`` copies;
 - ``serial``: one ``copy_`` per pair on the current stream (the behaviour before bulk copies);
 - ``legacy`` is handled by :mod:`checkpointd.restore_apply` (no bulk apply at all).
 
-``CHECKPOINTD_RESTORE_THREADS`` (default ``min(16, cpus)``) and ``CHECKPOINTD_RESTORE_CHUNK_MB``
-(default 8) size the pool: ``threads x 2 x chunk`` bytes of pinned memory (256 MiB on 16 cores), kept
-until a save commits (:func:`release_pinned`). The host-side memcpy is the limit, not the DMA: on a
-16-core H200 host 16 threads applied 4.8 GB in ~125 ms against ~155 ms with 8 (restore 0.24-0.29 s
-against 0.31-0.34 s in all).
+``CHECKPOINTD_RESTORE_THREADS`` (default ``min(16, cpus / local ranks)``) is also the intra-op thread
+count a bounce uses: raised for the copy when torch's is lower (``torchrun`` sets 1 per rank) and put
+back after. ``CHECKPOINTD_RESTORE_CHUNK_MB`` (default 16) sizes the chunks: ``4 x chunk`` bytes of
+pinned memory, kept until a save commits (:func:`release_pinned`).
 Every copy is finished (streams synchronised) before :func:`copy_pairs` returns, so callers and the
 training loop may use the tensors at once, on any stream. CPU-only builds only ever do plain copies.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -53,15 +59,42 @@ def h2d_strategy() -> str:
     return s
 
 
+BOUNCE_CHUNKS = 4
+"""Pinned chunks a bounce cycles through: one being filled while the others' DMAs drain."""
+
+
 def _threads() -> int:
+    """Threads for the host side of the copies: the environment's, else this process's share of 16 cores."""
     env = os.environ.get(THREADS_ENV)
     if env:
         return max(1, int(env))
-    return min(16, max(2, os.cpu_count() or 2))
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return min(16, max(2, (os.cpu_count() or 2) // local_ranks))
 
 
 def _chunk_bytes() -> int:
-    return max(1, int(float(os.environ.get(CHUNK_ENV, "8")) * (1 << 20)))
+    return max(1, int(float(os.environ.get(CHUNK_ENV, "16")) * (1 << 20)))
+
+
+@contextlib.contextmanager
+def _intra_op_threads(wanted: int) -> Iterator[None]:
+    """At least ``wanted`` intra-op threads for the block (torch's setting put back after it)."""
+    before = torch.get_num_threads()
+    raised = False
+    if before < wanted:
+        try:
+            torch.set_num_threads(wanted)
+            raised = True
+        except RuntimeError:  # a parallel backend that cannot change now: copy with what there is
+            pass
+    try:
+        yield
+    finally:
+        if raised:
+            torch.set_num_threads(before)
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -124,7 +157,7 @@ def copy_pairs(pairs: Sequence[Pair], strategy: str | None = None) -> None:
 
 
 class _DevicePool:
-    """Per-device streams (kept) and, for bounce, two pinned chunks per thread (until :func:`release_pinned`)."""
+    """Per-device streams (kept) and, for bounce, :data:`BOUNCE_CHUNKS` pinned chunks (until :func:`release_pinned`)."""
 
     def __init__(self, device: torch.device, threads: int, chunk: int) -> None:
         self.device = device
@@ -133,12 +166,11 @@ class _DevicePool:
         self.lock = threading.Lock()
         with torch.cuda.device(device):
             self.streams = [torch.cuda.Stream(device) for _ in range(threads)]
-        self.pinned: list[list[torch.Tensor]] | None = None
+        self.pinned: list[torch.Tensor] | None = None
 
-    def pinned_chunks(self) -> list[list[torch.Tensor]]:
+    def pinned_chunks(self) -> list[torch.Tensor]:
         if self.pinned is None:
-            self.pinned = [[torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-                           for _ in range(self.threads)]
+            self.pinned = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(BOUNCE_CHUNKS)]
         return self.pinned
 
 
@@ -161,7 +193,7 @@ def _pool(device: torch.device) -> tuple[_DevicePool, ThreadPoolExecutor]:
 
 
 def release_pinned() -> None:
-    """Give the bounce chunks' pinned memory back (``threads x 2 x chunk``, 256 MiB on 16 cores).
+    """Give the bounce chunks' pinned memory back (``4 x chunk``, 64 MiB by default).
 
     Why: a restore happens once per process, at resume, and the staging arena pinned for the saves
     that follow is the state's size; keeping the pool as well would put pinned memory above the 1.05x
@@ -194,10 +226,12 @@ def _pieces(items: list[Pair], chunk: int) -> list[Pair]:
 
 
 def _threaded_h2d(device: torch.device, items: list[Pair], *, bounce: bool) -> None:
+    if bounce:
+        _bounced_h2d(device, items)
+        return
     pool, executor = _pool(device)
     with pool.lock:
         pieces = _pieces(items, pool.chunk)
-        chunks = pool.pinned_chunks() if bounce else None
         current = torch.cuda.current_stream(pool.device)
         nxt = iter(range(len(pieces)))
         take = threading.Lock()
@@ -211,25 +245,10 @@ def _threaded_h2d(device: torch.device, items: list[Pair], *, bounce: bool) -> N
         def work(k: int) -> None:
             stream = pool.streams[k]
             stream.wait_stream(current)  # whatever the training queued on these tensors comes first
-            events: list[torch.cuda.Event | None] = [None, None]
-            slot = 0
             with torch.cuda.device(pool.device), torch.cuda.stream(stream):
                 while (piece := next_piece()) is not None:
                     dst, src = piece
-                    if chunks is None:
-                        dst.copy_(src, non_blocking=True)
-                        continue
-                    ev = events[slot]
-                    if ev is not None:
-                        ev.synchronize()  # the DMA out of this pinned chunk has finished
-                    n = src.numel()
-                    buf = chunks[k][slot]
-                    ctypes.memmove(buf.data_ptr(), src.data_ptr(), n)  # releases the GIL
-                    dst.copy_(buf[:n], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    events[slot] = ev
-                    slot ^= 1
+                    dst.copy_(src, non_blocking=True)
             stream.synchronize()
 
         futures = [executor.submit(work, k) for k in range(threads)]
@@ -241,6 +260,33 @@ def _threaded_h2d(device: torch.device, items: list[Pair], *, bounce: bool) -> N
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
+    """Chunk by chunk: host copy into a pinned chunk (intra-op threads), then its DMA on a side stream."""
+    pool, _ = _pool(device)
+    with pool.lock, _intra_op_threads(pool.threads):
+        chunks = pool.pinned_chunks()
+        stream = pool.streams[0]
+        stream.wait_stream(torch.cuda.current_stream(pool.device))  # the training's queued work comes first
+        events: list[torch.cuda.Event | None] = [None] * len(chunks)
+        slot = 0
+        with torch.cuda.device(pool.device), torch.cuda.stream(stream):
+            for dst, src in items:
+                n = dst.numel()
+                for a in range(0, n, pool.chunk):
+                    b = min(n, a + pool.chunk)
+                    done = events[slot]
+                    if done is not None:
+                        done.synchronize()  # the DMA out of this chunk has finished
+                    buf = chunks[slot][: b - a]
+                    buf.copy_(src[a:b])
+                    dst[a:b].copy_(buf, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events[slot] = event
+                    slot = (slot + 1) % len(chunks)
+        stream.synchronize()
 
 
 __all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned"]

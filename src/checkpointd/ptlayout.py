@@ -133,23 +133,29 @@ def in_io_pool() -> bool:
     return bool(getattr(_in_pool, "flag", False))
 
 
-def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None, lanes: int | None = None) -> list[Any]:
+def run_tasks(fns: list[Callable[[], Any]], executor: Executor | None = None, lanes: int | None = None,
+              meanwhile: Callable[[], None] | None = None) -> list[Any]:
     """Run ``fns`` on the pool (inline when called from one of its threads); results in order.
 
     ``lanes``: at most this many of ``fns`` run at once (each lane runs the next task when its
     current one ends), so that several callers share the pool instead of the first queueing all of
     its tasks ahead of the others. On the first failure, tasks not yet started are cancelled (or
-    skipped), running ones are waited for, and the failure is raised.
+    skipped), running ones are waited for, and the failure is raised. ``meanwhile``: run on the
+    calling thread while the tasks run (before them when they run inline), exactly once.
     """
-    if not fns:
-        return []
-    if len(fns) == 1 or (executor is None and in_io_pool()):
+    if not fns or len(fns) == 1 or (executor is None and in_io_pool()):
+        if meanwhile is not None:
+            meanwhile()
         return [fn() for fn in fns]
     pool = executor or io_executor()
     if lanes is not None and 0 < lanes < len(fns):
+        if meanwhile is not None:
+            meanwhile()
         return run_in_lanes(fns, pool, lanes)
     futures: list[Future[Any]] = [pool.submit(fn) for fn in fns]
     try:
+        if meanwhile is not None:
+            meanwhile()
         return [f.result() for f in futures]
     except BaseException:
         for f in futures:

@@ -111,30 +111,46 @@ def fast_read_applies(store: Store, entry: FileEntry) -> bool:
 def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     """Decoded content of one local file: parallel verified read, decode, tensors built in place.
 
-    Every byte is checked against the manifest before the content is parsed; nothing is applied here.
+    Every byte is checked against the manifest before the content is used; nothing is applied here. An
+    uncompressed mapped file is parsed while its checksum is computed (restricted unpickling, tensors
+    viewing the mapping, nothing copied): that result is returned only once the checksum matched.
     """
     from . import fastload
 
     rel = layout.join(step_dir, entry.path)
     where = store.display(rel)
+    early: dict[str, Any] = {}
+
+    def parse_early(buf: Any) -> None:
+        """An uncompressed file is parsed while it is checksummed (tensors view the buffer, nothing is copied)."""
+        try:
+            early["content"] = fastload.load_native_in_place(buf, entry.format)
+        except Exception:  # noqa: BLE001 - the plain loader gives the precise error, after verification
+            early["failed"] = True
+
+    plain = entry.codec in ("none", "", None)
     try:
-        buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where)
+        buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where,
+                                                          meanwhile=parse_early if plain else None)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"{where} was truncated while being read: {exc}") from exc
-    check_file(where, entry, size, checksum)
-    if entry.codec not in ("none", "", None):
+    check_file(where, entry, size, checksum)  # before anything parsed is used
+    if "content" in early:
+        return early["content"]
+    if not plain:
         try:
             buf = fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{where} could not be decompressed with codec {entry.codec!r}: {exc}") from exc
-    try:
-        return fastload.load_native_in_place(buf, entry.format)
-    except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
-        logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
+    if "failed" not in early:
+        try:
+            return fastload.load_native_in_place(buf, entry.format)
+        except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
+            logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
     return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
 
 

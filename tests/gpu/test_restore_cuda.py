@@ -131,6 +131,21 @@ def test_bounce_copies_dtype_cast_and_layout_change() -> None:
     assert torch.equal(big_dst.cpu(), big_src)
 
 
+def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back() -> None:
+    """``torchrun`` sets one intra-op thread per rank: the bounce raises it for its copies, then restores it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        srcs = [torch.randn(n) for n in (5, 1 << 20, (7 << 20) + 3, 40 << 20)]  # some span several chunks
+        dsts = [torch.empty_like(s, device="cuda") for s in srcs]
+        bulkcopy.copy_pairs(list(zip(dsts, srcs)), "bounce")
+        assert torch.get_num_threads() == 1
+        for d, s in zip(dsts, srcs):
+            assert torch.equal(d.cpu(), s)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bounce_pool_is_unpinned_once_a_save_has_committed(saved, monkeypatch) -> None:
     """Pinned memory after a resume stays the staging arena's (issue 6: at most 1.05x the state)."""
     root, ref_model, ref_opt = saved
