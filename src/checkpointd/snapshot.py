@@ -418,7 +418,7 @@ class Snapshotter:
         """Whether a save of tensors with this device mask goes through the chunk ring."""
         if self.host_budget_bytes is None:
             return False
-        return any(on_cuda) if self.cuda else STREAM_CPU_TENSORS and len(on_cuda) > 0
+        return (self.cuda and any(on_cuda)) or (STREAM_CPU_TENSORS and len(on_cuda) > 0)
 
     def _prepare_ring_async(self) -> None:
         with self._lock:
