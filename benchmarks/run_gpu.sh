@@ -15,7 +15,7 @@
 #   BUDGET_S [470]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
-#   persist/restore: REPEAT [2]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS
+#   persist/restore: REPEAT [2]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
 set -u
@@ -75,8 +75,9 @@ stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dir
 stage restore_tmpfs 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 if [ "$SKIP_DISK" != "1" ]; then
-    stage persist_disk 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
-        ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
+    # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
+    stage persist_disk 150 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
+        --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
     stage restore_disk 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
