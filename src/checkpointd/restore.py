@@ -126,7 +126,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
         try:
             early["content"] = fastload.load_native_in_place(buf, entry.format)
         except Exception:  # noqa: BLE001 - the plain loader gives the precise error, after verification
-            early["failed"] = True
+            pass
 
     plain = entry.codec in ("none", "", None)
     try:
@@ -139,14 +139,13 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     check_file(where, entry, size, checksum)  # before anything parsed is used
     if "content" in early:
         return early["content"]
-    if not plain:
+    if not plain:  # (an uncompressed file was parsed above; if that failed, only the plain loader is left)
         try:
             buf = fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{where} could not be decompressed with codec {entry.codec!r}: {exc}") from exc
-    if "failed" not in early:
         try:
             return fastload.load_native_in_place(buf, entry.format)
         except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
