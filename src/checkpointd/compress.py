@@ -3,7 +3,7 @@
 Why a module of our own rather than one ``zstd`` call: a checkpoint is gigabytes that must leave the
 process at storage speed. Single-call zstd runs on one core and gains only ~1.1x on float weights.
 Here every file is cut into chunks (4 MiB by default) that a shared thread pool compresses in parallel;
-python-zstandard and NumPy release the GIL, so training threads keep running. Compressed chunks are
+python-zstandard, the native plane kernels and NumPy release the GIL, so training threads keep running. Compressed chunks are
 written in order, with a bounded number in flight so memory stays bounded. Float tensors can go through
 a byte-plane transform first (below), which is where the ratio comes from.
 

@@ -1,7 +1,13 @@
 """Chunk kernels of :mod:`checkpointd.compress`: per-thread zstd contexts and the byte-plane transform.
 
-Everything here runs on a pool thread, one chunk at a time, and spends its time in zstd or NumPy with
-the GIL released. Decoding writes straight into the chunk's slot of the caller's output buffer: no
+Everything here runs on a pool thread, one chunk at a time, and spends its time in zstd, the native
+kernels or NumPy with the GIL released. The byte-plane passes (split and rotate, nibble packing,
+nibble unpacking with escapes, merge and rotate back) run in :mod:`checkpointd.planes_native` (C,
+one pass over cache-sized blocks, built on first use) wherever a C compiler is found, and in the
+NumPy kernels below otherwise; both produce the same bytes. On an H200 host (16 threads, 256 MB
+inputs) the native kernels took decompression from 7.1 to 14.0-14.5 GB/s for bf16, 8.4-9.0 to
+17.7-18.2 for fp32 and 7.0 to 12.3-13.2 for AdamW moments, compression from 4.5-5.4 to 6.2-8.9.
+The rest of this docstring is about the NumPy kernels, the fallback. Decoding writes straight into the chunk's slot of the caller's output buffer: no
 per-chunk ``bytes`` is allocated (allocating, faulting in and unmapping 4 MiB per chunk from many
 threads at once serializes in the kernel), and the caller's thread copies nothing. Temporaries that a
 chunk needs (compressed planes decoded, rotated elements) live in per-thread scratch arrays reused from
@@ -51,6 +57,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
+from . import planes_native
 from .crc import crc32
 from .errors import CorruptCheckpointError
 
@@ -184,8 +191,12 @@ def _to_planes(view: Any, itemsize: int) -> np.ndarray:
     Blocks of ``_MERGE_BYTES`` keep the shift scratch in cache.
     """
     count = memoryview(view).nbytes // itemsize
-    all_elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=count)
     planes = np.empty((itemsize, count), dtype=np.uint8)
+    lib = planes_native.library()
+    if lib is not None and count:
+        planes_native.split_planes(lib, view, itemsize, count, planes)
+        return planes
+    all_elems = np.frombuffer(view, dtype=_UINT_BY_ITEMSIZE[itemsize], count=count)
     block = _MERGE_BYTES // itemsize
     for start in range(0, count, block):
         stop = min(count, start + block)
@@ -259,6 +270,13 @@ def _pack_nibbles(plane: np.ndarray, base: int) -> list[Any] | None:
     if more than 1/128 of the plane escapes: finding escapes when decoding would cost more than it saves.
     """
     count, half = plane.size, (plane.size + 1) // 2
+    lib = planes_native.library()
+    if lib is not None:
+        packed = _scratch("packed", half + count // 128)
+        escaped = planes_native.pack_nibbles(lib, plane, base, packed, count // 128)
+        if escaped < 0:
+            return None
+        return [_NIBBLES.pack(base, escaped), _plane_compressor().compress(packed[: half + escaped].data)]
     codes = _scratch("codes", 2 * half)
     codes[count:] = 0
     np.subtract(plane, np.uint8(base), out=codes[:count])
@@ -347,10 +365,13 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     """Native bytes of a planes chunk into ``out``: planes decoded into scratch, then merged into ``out``."""
     native_nbytes = out.nbytes
     count = native_nbytes // itemsize
-    pos, actual_crc, planes = _PLANE.size * itemsize, 0, []
+    pos, actual_crc = _PLANE.size * itemsize, 0
     crc_all = bool(flags & _FLAG_CRC_ALL)  # then one CRC call over planes and tail (contiguous), below
     flat = _scratch("planes", count * itemsize + 1)  # + 1: slack for _zstd_decompress_slack
     decoded = flat[: count * itemsize].reshape(itemsize, count)
+    lib = planes_native.library()
+    planes: list[np.ndarray] = []  # NumPy kernels: every plane's bytes
+    native: list[tuple[int, Any, int, Any, int]] = []  # native kernel: planes and nibble codes as stored
     for i in range(itemsize):
         mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
         blob = body[pos : pos + stored]
@@ -365,33 +386,53 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
             planes.append(decoded[i])
             _zstd_decompress_slack(blob, flat[i * count : (i + 1) * count + 1])  # slack: next plane's
         elif mode == _MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= _NIBBLES.size:
+            base, escaped, packed = _read_nibbles(blob, count, f"packed{i}" if lib is not None else "packed")
+            if lib is not None:
+                half = (count + 1) // 2
+                native.append((1, packed, base, packed[half:], escaped))
+                continue
             planes.append(decoded[i])
-            _unpack_nibbles(blob, decoded[i])
+            _unpack_nibbles(base, escaped, packed, decoded[i])
         else:
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} bytes)")
+        native.append((0, planes[-1], 0, None, 0))
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
     _check_crc(crc32(body[_PLANE.size * itemsize :] if crc_all else tail, actual_crc), crc)
     copy_into(out[count * itemsize :], tail)
-    if count:
+    if not count:
+        return
+    if lib is None:
         _from_planes(planes, out[: count * itemsize], rotated=bool(flags & _FLAG_ROTATED))
+        return
+    bad = planes_native.decode_planes(lib, native, count, bool(flags & _FLAG_ROTATED), out[: count * itemsize])
+    if bad:
+        _, _, _, _, escaped = native[bad - 1]
+        raise CorruptCheckpointError(f"nibble plane {bad - 1} has a different number of escape codes than "
+                                     f"its header says ({escaped})")
 
 
-def _unpack_nibbles(blob: memoryview, plane: np.ndarray) -> None:
-    """Inverse of :func:`_pack_nibbles`, into ``plane``: 5 NumPy calls and one zstd call.
+def _read_nibbles(blob: memoryview, count: int, scratch: str) -> tuple[int, int, np.ndarray]:
+    """A nibble plane's base, escape count and stored bytes (codes, then escapes), decoded into ``scratch``."""
+    base, escaped = _NIBBLES.unpack_from(blob)
+    if escaped > count:
+        raise CorruptCheckpointError(f"nibble plane claims {escaped} escapes for {count} values")
+    half = (count + 1) // 2
+    packed = _scratch(scratch, half + escaped + 1)
+    _zstd_decompress_slack(blob[_NIBBLES.size :], packed)
+    return base, escaped, packed[: half + escaped]
+
+
+def _unpack_nibbles(base: int, escaped: int, packed: np.ndarray, plane: np.ndarray) -> None:
+    """Inverse of :func:`_pack_nibbles` (NumPy kernels), into ``plane``: 5 NumPy calls.
 
     Escapes are put back by a boolean-mask assignment, which fills the masked places in order (what
     the format stores) in one call, skipping runs of unmasked bytes a word at a time: bf16 chunk
     (1298 escapes in 8 Mi values) 2 releases and 0.9 ms; finding the positions first
     (:func:`_true_positions`, still used to encode) takes 0.33 ms but ~10 releases.
     """
-    base, escaped = _NIBBLES.unpack_from(blob)
     count, half = plane.size, (plane.size + 1) // 2
-    if escaped > count:
-        raise CorruptCheckpointError(f"nibble plane claims {escaped} escapes for {count} values")
-    packed = _scratch("packed", half + escaped + 1)
-    _zstd_decompress_slack(blob[_NIBBLES.size :], packed)
     np.right_shift(packed[:half], 4, out=plane[:half])
     np.bitwise_and(packed[: count - half], 15, out=plane[half:])
     if escaped:
