@@ -109,3 +109,33 @@ def test_registered_tensor_view_is_stored_at_its_own_size(tmp_path):
     assert torch.equal(got["view"], view)
     assert got["view"].untyped_storage().nbytes() == 40
     assert torch.equal(got["strided"], strided)
+
+
+def test_buffers_prepared_ahead_are_pickled_there_so_the_first_save_hits_the_cache(tmp_path) -> None:
+    """The arena prepared ahead is pickled once on its thread: the first save's pickling finds every
+    staging buffer's reduction cached (nothing built on the committer thread), and its files are exact."""
+    import time
+
+    from checkpointd import CheckpointManager, load, savejob
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path, {"model": model, "optimizer": opt}, compression=None) as mgr:
+        mgr._prepare_pending_buffers()  # what the first optimizer step or restore does on a GPU run
+        deadline = time.monotonic() + 30
+        while mgr._snap._preparing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        arena = mgr._snap._arenas[0]
+        assert all(savejob.REDUCTIONS.get(b, ("cpu",)) is not None for b in arena.buffers if b.numel())
+        misses = savejob.REDUCTIONS.misses
+        mgr.save(1)
+        mgr.wait()
+        assert savejob.REDUCTIONS.misses == misses
+    restored = load(tmp_path, step=1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(restored["model"][k], v), k
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(restored["optimizer"]["state"][0][k], v), k

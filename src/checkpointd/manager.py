@@ -46,7 +46,7 @@ from .errors import (
 from .policy import RetentionPolicy, SaveSchedule
 from .retention import MetricsCache, apply_retention
 from .rng import capture_rng, restore_rng
-from .savejob import stage_save, staging_layout
+from .savejob import prewarm_reductions, stage_save, staging_layout
 from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
@@ -169,7 +169,7 @@ class CheckpointManager:
         if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
             raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
         self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes,
-                                 host_budget_bytes=host_staging_budget_bytes)
+                                 host_budget_bytes=host_staging_budget_bytes, on_arena_ready=prewarm_reductions)
         threads = file_threads or min(8, max(2, (os.cpu_count() or 2)))
         self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads) if self._dist is None
                         else self._dist.make_writer(self._store, self._codec, threads))

@@ -13,6 +13,7 @@ needs only their layout. ``before_write`` then lays out the chunk stream in each
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -27,11 +28,30 @@ from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree
 from .writer import FileJob, SaveJob
 
+logger = logging.getLogger("checkpointd")
+
 ENQUEUE_GRACE_SECS = 2.0
 """How long the writer lets the training thread's hooks queue a snapshot's copies before queueing them itself."""
 
 
 REDUCTIONS = ReductionCache()
+
+
+def prewarm_reductions(arena: Any) -> None:
+    """Pickle an arena's buffers once, on the thread that prepared it ahead, to fill :data:`REDUCTIONS`.
+
+    Why: the first save's pickling otherwise builds every buffer's reduction (~20 us a tensor) on the
+    committer thread during the steps right after the save point, holding the GIL that a launch-bound
+    training loop needs (a 0.45 GB state's first checkpoint cost 32-34 ms against ~12 for the later
+    ones on an H100 host). The buffers are the very tensors the saves pickle, so the entries hit.
+    """
+    buffers = [b for b in arena.buffers if b.numel()]
+    if not buffers:
+        return
+    try:
+        plan_pt(buffers, cache=REDUCTIONS)
+    except Exception as exc:  # noqa: BLE001 - only a warm-up: the save pickles them itself
+        logger.debug("checkpointd: could not pre-pickle the staging buffers: %s", exc)
 """Pickle reductions of the staging buffers, reused by every later save of the same buffers (weakly held)."""
 
 

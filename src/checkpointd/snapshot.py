@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -265,8 +265,12 @@ class Snapshotter:
     """
 
     def __init__(self, max_arenas: int = 1, device_budget_bytes: int | None = None,
-                 host_budget_bytes: int | None = None) -> None:
+                 host_budget_bytes: int | None = None,
+                 on_arena_ready: "Callable[[StagingArena], None] | None" = None) -> None:
+        """``on_arena_ready``: called on the preparing thread with each arena prepared ahead (the
+        manager pickles its buffers once there, so the first save's pickling hits the reduction cache)."""
         self.cuda = torch.cuda.is_available()
+        self.on_arena_ready = on_arena_ready
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self._ring: Any = None
@@ -322,6 +326,8 @@ class Snapshotter:
                 arena = StagingArena(key, pin=self.cuda if pin is None else pin)
                 with self._lock:
                     self._add_arena(arena)
+                if self.on_arena_ready is not None:
+                    self.on_arena_ready(arena)
             if device_key and cuda_device is not None and self.device_budget_bytes is not None:
                 with torch.cuda.device(cuda_device):
                     self._ensure_device_arena(device_key, cuda_device)
