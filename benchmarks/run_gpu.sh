@@ -7,6 +7,8 @@
 #   1. bench_stall.py   (training stall; tmpfs target)            -> $OUT/stall.json
 #   2. bench_persist.py (persist throughput; tmpfs, then disk)     -> $OUT/persist_tmpfs.json, persist_disk.json
 #   3. bench_restore.py (restore throughput; tmpfs, then disk)     -> $OUT/restore_tmpfs.json, restore_disk.json
+#   4. bench_compression.py (zstd-planes ratio and speed, CPU)     -> $OUT/compression.json
+# (order: stall, persist_tmpfs, restore_tmpfs, compression, persist_disk, restore_disk)
 # and prints the compact tables last. Stages run in that order under one time budget (BUDGET_S); a stage
 # that runs out of time is interrupted and its partial JSON is kept (tables say PARTIAL).
 #
@@ -74,6 +76,7 @@ stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dir
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 stage restore_tmpfs 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+stage compression 90 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk 150 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
@@ -91,7 +94,7 @@ sys.path.insert(0, "benchmarks")
 import bench_stall, bench_persist, bench_restore
 out = os.environ["OUT"]
 for name, mod in [("stall", bench_stall), ("persist_tmpfs", bench_persist), ("restore_tmpfs", bench_restore),
-                  ("persist_disk", bench_persist), ("restore_disk", bench_restore)]:
+                  ("persist_disk", bench_persist), ("restore_disk", bench_restore), ("compression", None)]:
     p = os.path.join(out, name + ".json")
     if not os.path.exists(p):
         print(f"\n== {name}: no result ({p} missing)")

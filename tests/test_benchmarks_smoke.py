@@ -75,7 +75,10 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
 def test_bench_compression_small_smoke(tmp_path: Path) -> None:
     out = tmp_path / "compression.json"
     _run("bench_compression.py", "--small", "--repeat", "1", "--json", str(out))
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["meta"]["planes_kernels"].startswith(("native (", "NumPy ("))  # the table says which ran
+    assert "zstd-planes kernels:" in result["table"] and result["complete"] is True
     planes = {r["input"]: r for r in rows if r["method"] == "zstd-planes"}
     plain = {r["input"]: r for r in rows if r["method"] == "zstd"}
     assert "randn*0.02 bf16" in planes and planes["randn*0.02 bf16"]["ratio"] > plain["randn*0.02 bf16"]["ratio"] > 1.0

@@ -191,6 +191,7 @@ def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(t
     scale = scaler.get_scale()
     with CheckpointManager(tmp_path, {"model": model, "optimizer": opt, "scaler": scaler}, compression=None) as mgr:
         mgr.save(1)
-    assert len(calls) == 2, calls  # each file pickled exactly once
+    files = [c for c in calls if c != "list"]  # "list": the staging buffers pre-pickled when prepared ahead
+    assert len(files) == 2, calls  # each file pickled exactly once
     ckpt = torch.load(tmp_path / "step-000000001" / "checkpoint.0.1.pt", weights_only=True)
     assert ckpt["scaler_state_dict"]["scale"] == scale

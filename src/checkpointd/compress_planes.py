@@ -7,12 +7,14 @@ one pass over cache-sized blocks, built on first use) wherever a C compiler is f
 NumPy kernels below otherwise; both produce the same bytes. On an H200 host (16 threads, 256 MB
 inputs) the native kernels took decompression from 7.1 to 14.0-14.5 GB/s for bf16, 8.4-9.0 to
 17.7-18.2 for fp32 and 7.0 to 12.3-13.2 for AdamW moments, compression from 4.5-5.4 to 6.2-8.9.
-The rest of this docstring is about the NumPy kernels, the fallback. Decoding writes straight into the chunk's slot of the caller's output buffer: no
-per-chunk ``bytes`` is allocated (allocating, faulting in and unmapping 4 MiB per chunk from many
-threads at once serializes in the kernel), and the caller's thread copies nothing. Temporaries that a
-chunk needs (compressed planes decoded, rotated elements) live in per-thread scratch arrays reused from
-chunk to chunk. The file format is described in :mod:`checkpointd.compress`.
 
+Decoding writes straight into the chunk's slot of the caller's output buffer: no per-chunk ``bytes``
+is allocated (allocating, faulting in and unmapping 4 MiB per chunk from many threads at once
+serializes in the kernel), and the caller's thread copies nothing. Temporaries that a chunk needs
+(compressed planes decoded, rotated elements) live in per-thread scratch arrays reused from chunk to
+chunk. The file format is described in :mod:`checkpointd.compress`.
+
+The rest of this docstring is about the NumPy kernels (the fallback) and how they were tuned.
 Costs per 4 MiB fp32 chunk on one dev-VM core (randn * 0.02): encode 1.9 ms (was 3.0: exponent plane
 nibble-packed before zstd, 1.3 -> 0.45 ms; entropy instead of trial compressions when sampling; no
 zstd checksums, the chunk CRC covers the stored bytes), decode 1.8 ms (was 2.2: packed exponent plane
@@ -395,7 +397,8 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
             _unpack_nibbles(base, escaped, packed, decoded[i])
         else:
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} bytes)")
-        native.append((0, planes[-1], 0, None, 0))
+        if lib is not None:
+            native.append((0, planes[-1], 0, None, 0))
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")

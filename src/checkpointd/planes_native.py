@@ -48,9 +48,6 @@ _tried = False
 why_not = ""
 """Why the native kernels are not in use ("" when they are, or before the first try)."""
 
-_U8P = ctypes.POINTER(ctypes.c_uint8)
-
-
 def _cache_dir() -> Path:
     explicit = os.environ.get(CACHE_DIR_ENV)
     if explicit:
@@ -103,19 +100,22 @@ def _check_private(path: Path) -> None:
 
 def _load() -> Any:
     global why_not
-    if os.environ.get(NATIVE_ENV, "1").strip() in ("0", "false", "no", "off"):
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         why_not = f"{NATIVE_ENV}=0"
         return None
+    cc = _compiler()
+    if not cc:
+        why_not = "no C compiler (set CC or install cc)"
+        logger.info("checkpointd: %s for the native plane kernels; zstd-planes uses NumPy (about half the speed)", why_not)
+        return None
     try:
-        cc = _compiler()
-        if not cc:
-            raise RuntimeError("no C compiler (set CC or install cc)")
         lib = ctypes.CDLL(str(_build(_SOURCE.read_bytes(), cc)))
         if lib.cpd_abi() != _ABI:
             raise RuntimeError(f"library ABI {lib.cpd_abi()}, expected {_ABI}")
     except Exception as exc:  # noqa: BLE001 - any failure means the NumPy kernels
         why_not = str(exc)
-        logger.info("checkpointd: native plane kernels unavailable (%s); using NumPy", exc)
+        logger.warning("checkpointd: native plane kernels unavailable (%s); zstd-planes uses NumPy "
+                       "(same files, about half the speed)", exc)
         return None
     i64, i32 = ctypes.c_int64, ctypes.c_int32
     lib.cpd_decode_planes.restype = i64
