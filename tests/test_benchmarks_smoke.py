@@ -82,6 +82,8 @@ def test_bench_compression_small_smoke(tmp_path: Path) -> None:
     planes = {r["input"]: r for r in rows if r["method"] == "zstd-planes"}
     plain = {r["input"]: r for r in rows if r["method"] == "zstd"}
     assert "randn*0.02 bf16" in planes and planes["randn*0.02 bf16"]["ratio"] > plain["randn*0.02 bf16"]["ratio"] > 1.0
+    trained = "AdamW state, trained MLP fp32"  # moments from 200 real AdamW steps
+    assert planes[trained]["ratio"] > plain[trained]["ratio"] > 1.0
     assert all(r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 for r in rows)
 
 

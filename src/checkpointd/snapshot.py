@@ -103,6 +103,24 @@ def _shared_slab(nbytes: int) -> "sharedmem.SharedSlab | None":
     return slab
 
 
+def _warm_device_clone(buffers: list[torch.Tensor]) -> None:
+    """Launch the device-staging clone's kernel once, on one element per dtype, ahead of the first save.
+
+    Why: CUDA loads a kernel's module at its first launch (lazy loading). The clone's
+    ``torch._foreach_copy_`` then took 21.7 ms of host time (and 23.7 ms on the GPU) the first time
+    against 0.6-0.7 ms afterwards (H200, 320 tensors, 4.83 GB), and the first save call paid for it
+    (26 ms against 6). The kernel is chosen by dtype, not size, so a tiny copy loads it.
+    """
+    firsts: dict[torch.dtype, torch.Tensor] = {}
+    for b in buffers:
+        if b.numel() and b.dtype not in firsts:
+            firsts[b.dtype] = b.as_strided((1,), (1,))
+    if firsts:
+        sources = list(firsts.values())
+        with torch.no_grad():
+            torch._foreach_copy_([torch.empty_like(x) for x in sources], sources)
+
+
 class StagingArena:
     """One host allocation holding a buffer for each tensor of a given layout signature."""
 
@@ -330,7 +348,9 @@ class Snapshotter:
                     self.on_arena_ready(arena)
             if device_key and cuda_device is not None and self.device_budget_bytes is not None:
                 with torch.cuda.device(cuda_device):
-                    self._ensure_device_arena(device_key, cuda_device)
+                    buffers = self._ensure_device_arena(device_key, cuda_device)
+                    if buffers:
+                        _warm_device_clone(buffers)
         except Exception as exc:  # pragma: no cover - allocation failure: the save path retries synchronously
             logger.warning("checkpointd: preparing staging buffers failed: %s", exc)
         finally:

@@ -161,3 +161,20 @@ def test_persist_process_writes_pinned_shared_staging_bit_exact(tmp_path):
     restored = load(tmp_path, step=2)["model"]
     for k, v in expected.items():
         assert torch.equal(restored[k], v), k
+
+
+def test_device_clone_warm_up_touches_no_staging_buffer():
+    """The warm-up launch (one element per dtype, channels_last included) runs and leaves the buffers as they were."""
+    from checkpointd.snapshot import _warm_device_clone
+
+    dev = torch.device("cuda")
+    buffers = [
+        torch.randn(8, 3, 5, 5, device=dev).to(memory_format=torch.channels_last),
+        torch.randn(17, device=dev).to(torch.bfloat16),
+        torch.arange(5, device=dev),
+        torch.empty(0, device=dev),
+    ]
+    before = [b.clone() for b in buffers]
+    _warm_device_clone(buffers)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(buffers, before))
