@@ -35,6 +35,7 @@ ENQUEUE_GRACE_SECS = 2.0
 
 
 REDUCTIONS = ReductionCache()
+"""Pickle reductions of the staging buffers, reused by every later save of the same buffers (weakly held)."""
 
 
 def prewarm_reductions(arena: Any) -> None:
@@ -43,7 +44,8 @@ def prewarm_reductions(arena: Any) -> None:
     Why: the first save's pickling otherwise builds every buffer's reduction (~20 us a tensor) on the
     committer thread during the steps right after the save point, holding the GIL that a launch-bound
     training loop needs (a 0.45 GB state's first checkpoint cost 32-34 ms against ~12 for the later
-    ones on an H100 host). The buffers are the very tensors the saves pickle, so the entries hit.
+    ones on an H100 host; on the GPU hosts measured since, their noise hid the effect). The buffers are
+    the very tensors the saves pickle, so the entries hit.
     """
     buffers = [b for b in arena.buffers if b.numel()]
     if not buffers:
@@ -52,7 +54,6 @@ def prewarm_reductions(arena: Any) -> None:
         plan_pt(buffers, cache=REDUCTIONS)
     except Exception as exc:  # noqa: BLE001 - only a warm-up: the save pickles them itself
         logger.debug("checkpointd: could not pre-pickle the staging buffers: %s", exc)
-"""Pickle reductions of the staging buffers, reused by every later save of the same buffers (weakly held)."""
 
 
 class _Slot:

@@ -11,7 +11,9 @@ Why this shape:
   would nearly double host memory for a 5 GB state. Registration costs ~0.5 s/GiB, so arenas are
   prepared ahead on a background thread (the manager starts it at the end of the first restore, the
   first ``maybe_save`` call or the first optimizer step, and again when optimizer state first exists),
-  off the training thread's critical path.
+  off the training thread's critical path. That thread also does the first save's other one-time work:
+  it pickles the new arena's buffers once (the manager's ``on_arena_ready``: the reduction cache is
+  then warm) and, with device staging, launches the clone's kernel once (CUDA loads it lazily).
 - **Side stream, no host wait, overlapped with the next step.** ``maybe_save`` records an event on the
   compute stream (the save point) and returns. The device-to-host copies are queued on a side stream,
   ordered after that event, at the first moment something could modify a snapshotted tensor: the
