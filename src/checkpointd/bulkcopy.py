@@ -149,11 +149,13 @@ def copy_pairs(pairs: Sequence[Pair], strategy: str | None = None) -> None:
             if how == "serial":
                 for d, s in items:
                     d.copy_(s)
+            elif how == "bounce":
+                _bounced_h2d(device, items)
             else:
-                _threaded_h2d(device, items, bounce=(how == "bounce"))
+                _pageable_h2d(device, items)
 
 
-# -- the threaded host -> device copy -----------------------------------------------------------------
+# -- the host -> device copies: pooled streams, threads, pinned chunks ----------------------------------
 
 
 class _DevicePool:
@@ -225,10 +227,8 @@ def _pieces(items: list[Pair], chunk: int) -> list[Pair]:
     return out
 
 
-def _threaded_h2d(device: torch.device, items: list[Pair], *, bounce: bool) -> None:
-    if bounce:
-        _bounced_h2d(device, items)
-        return
+def _pageable_h2d(device: torch.device, items: list[Pair]) -> None:
+    """Python threads, each with its own stream, doing pageable ``non_blocking`` copies of 16 MiB pieces."""
     pool, executor = _pool(device)
     with pool.lock:
         pieces = _pieces(items, pool.chunk)
