@@ -120,6 +120,45 @@ def test_files_are_planned_before_the_copies_are_waited_for(tmp_path, monkeypatc
         assert torch.equal(state["model"][k], v)
 
 
+def test_planning_runs_at_a_short_gil_switch_interval_and_puts_it_back(tmp_path, monkeypatch) -> None:
+    """While the committer plans, the training thread must get the GIL back quickly: the interpreter's
+    switch interval is lowered to ``PLAN_GIL_SWITCH_INTERVAL_SECS`` for the planning only."""
+    import sys
+
+    from checkpointd import writer as writer_mod
+
+    seen: list[tuple[str, float]] = []
+    orig_plan_job = writer_mod.BackgroundWriter.plan_job
+
+    def plan_job(self, job):
+        orig_plan_files = job.plan_files
+
+        def plan_files():
+            seen.append(("planning", sys.getswitchinterval()))
+            orig_plan_files()
+        job.plan_files = plan_files
+        orig_plan_job(self, job)
+        seen.append(("planned", sys.getswitchinterval()))
+
+    monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
+    before = sys.getswitchinterval()
+    assert before > writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS
+    with CheckpointManager(str(tmp_path / "a"), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+    assert seen[0] == ("planning", pytest.approx(writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS)), seen
+    assert seen[1][1] == pytest.approx(min(before, writer_mod.GIL_SWITCH_INTERVAL_SECS)), "back to the writer's interval"
+    assert sys.getswitchinterval() == pytest.approx(before), "the application's interval is put back"
+
+    seen.clear()
+    monkeypatch.setenv("CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS", "0")
+    with CheckpointManager(str(tmp_path / "b"), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+    assert seen[0] == ("planning", pytest.approx(min(before, writer_mod.GIL_SWITCH_INTERVAL_SECS))), "0 turns it off"
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
 def test_run_tasks_lanes_bound_concurrency_and_keep_order() -> None:
     live, peak = [0], [0]
     lock = threading.Lock()

@@ -524,6 +524,7 @@ class CheckpointManager:
             if e.kind == "optimizer":
                 if cuda:
                     self._hooks.append(e.obj.register_step_pre_hook(lambda *_: self._snap.wait_for_all()))
+                    self._snap.has_step_hooks = True
                 self._hooks.append(e.obj.register_step_post_hook(self._on_optimizer_step))
             elif e.kind == "module" and cuda:
                 self._hooks.append(e.obj.register_forward_pre_hook(lambda *_: self._snap.wait_for_buffers()))

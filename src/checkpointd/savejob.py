@@ -71,8 +71,9 @@ def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]
     index: dict[tuple[Any, ...], int] = {}
 
     def collect(t: torch.Tensor) -> _Slot:
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-        if t.data_ptr() == 0 or key not in index:  # empty tensors share data_ptr 0: never merge them
+        ptr = t.data_ptr()
+        key = (t.device, ptr, t.dtype, t.shape, t.stride(), t.storage_offset())
+        if ptr == 0 or key not in index:  # empty tensors share data_ptr 0: never merge them
             index[key] = len(tensors)
             tensors.append(t)
         return _Slot(index[key])
@@ -90,6 +91,8 @@ def buffers_first(entries: Sequence[Entry], tensors: Sequence[torch.Tensor]) -> 
     for e in entries:
         if e.kind == "module":
             ptrs.update((b.device.type, b.data_ptr()) for b in e.obj.buffers() if b.numel())
+    if not ptrs:
+        return list(range(len(tensors))), 0
     first = [i for i, t in enumerate(tensors) if t.numel() and (t.device.type, t.data_ptr()) in ptrs]
     chosen = set(first)
     return first + [i for i in range(len(tensors)) if i not in chosen], len(first)
@@ -185,6 +188,7 @@ def stage_save(
 
     job.before_write = before_write
     job.plan_files = plan_ahead
+    job.plan_when = staged_in_order.copies.training_waits.wait
     return job
 
 

@@ -203,8 +203,15 @@ class PendingCopies:
         self.waited_all = False
         self._started = False
         self.enqueued = threading.Event()
+        self.training_waits = threading.Event()
+        """Set when the training thread reached the next optimizer step after the save (its hook), or
+        anything waited for these copies. The committer plans the files after it: the training thread
+        is then about to wait for the GPU (the copy, or the step's compute), holding no GIL, so the
+        planning's Python runs in that wait instead of slowing the launches of the save step and the
+        forward after it. Set at once when there is nothing to copy (CPU-only: copied in ``maybe_save``)."""
         if not self._pairs:
             self.enqueued.set()
+            self.training_waits.set()
 
     def enqueue(self, max_bytes: int | None = None) -> None:
         """Queue the copies on the side stream, ordered after the save point.
@@ -264,6 +271,7 @@ class PendingCopies:
         if grace_secs is not None:
             self.enqueued.wait(grace_secs)
         self.enqueue()
+        self.training_waits.set()
         if self.all_done is not None:
             self.all_done.synchronize()
 
@@ -306,6 +314,9 @@ class Snapshotter:
         self._preparing: dict[tuple[TensorSpec, ...], threading.Thread] = {}
         self._streams: dict[int, Any] = {}
         self._inflight: list[PendingCopies] = []
+        self.has_step_hooks = False
+        """Whether an optimizer's step pre-hook calls :meth:`wait_for_all` (else the forward's hook
+        tells the committer that the training thread moved on, see ``PendingCopies.training_waits``)."""
         self.pinned_bytes = 0
         self.arena_allocations = 0
         if host_budget_bytes is not None and self.cuda:
@@ -492,20 +503,20 @@ class Snapshotter:
         Returns at once on CUDA (copies queued on a side stream); synchronous otherwise.
         """
         specs = tuple(tensor_spec(t) for t in tensors)
-        on_cuda = [t.device.type == "cuda" for t in tensors]
+        on_cuda = [t.is_cuda for t in tensors]
         if self._ring_mode(on_cuda):
             return self._snapshot_streamed(tensors, specs, n_buffer_tensors)
         arena = self._acquire(specs)
         staged = list(arena.buffers)
         device_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
-        with torch.no_grad():
+        with torch.no_grad():  # no autograd here, so the sources need no detach()
             for i, t in enumerate(tensors):
-                if t.device.type != "cuda":
-                    staged[i].copy_(t.detach())
+                if not on_cuda[i]:
+                    staged[i].copy_(t)
         copies = PendingCopies()
         if device_idx:
             device = tensors[device_idx[0]].device
-            sources = [tensors[i].detach() for i in device_idx]
+            sources = [tensors[i] for i in device_idx]
             private = self._stage_on_device(sources, [specs[i] for i in device_idx], device)
             save_point = torch.cuda.Event()
             save_point.record(torch.cuda.current_stream(device))
@@ -624,6 +635,8 @@ class Snapshotter:
                 continue
             if current is None:
                 current = torch.cuda.current_stream()
+            if all_copies or not self.has_step_hooks:
+                c.training_waits.set()
             if c.private_source:  # training never waits for these; just keep them flowing
                 c.enqueue(max_bytes=DEVICE_PACE_BYTES)
                 if not c.enqueued.is_set():
@@ -645,6 +658,8 @@ class Snapshotter:
         """Queue every pending copy now (before the next save point, or before waiting)."""
         for c in list(self._inflight):
             c.enqueue()
+            if isinstance(c, PendingCopies):
+                c.training_waits.set()
 
     def wait_host(self) -> None:
         """Block the host until every copy in flight is done (``wait_for_snapshot``)."""

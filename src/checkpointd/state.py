@@ -245,40 +245,54 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def validate_tree(tree: Any, where: str, module_keys: bool = False) -> None:
     """Raise StateError for anything a weights-only ``torch.load`` could not read back, or a meta tensor."""
-    _validate(tree, where, module_keys, depth=0)
+    _validate(tree, (where,), module_keys, depth=0)
 
 
-def _validate(obj: Any, where: str, str_keys: bool, depth: int) -> None:
+def _where(path: tuple[Any, ...]) -> str:
+    """``state['model']['a.weight']`` from the path ``(((root,), 'model'), 'a.weight')``.
+
+    Why nested pairs instead of a string per node: ``maybe_save`` validates every node on the
+    training thread, and formatting a path for each of a few hundred nodes cost more than the checks;
+    the text is only needed for an error.
+    """
+    keys = []
+    while len(path) == 2:
+        path, key = path
+        keys.append(f"[{key!r}]")
+    return path[0] + "".join(reversed(keys))
+
+
+def _validate(obj: Any, path: tuple[Any, ...], str_keys: bool, depth: int) -> None:
     if depth > 100:
-        raise StateError(f"{where} nests deeper than 100 levels (a reference cycle?)")
+        raise StateError(f"{_where(path)} nests deeper than 100 levels (a reference cycle?)")
     if isinstance(obj, torch.Tensor):
-        if obj.is_meta or obj.device.type == "meta":
-            raise StateError(f"{where} is a meta tensor (no data); materialize it (e.g. to_empty + init) before saving")
+        if obj.is_meta:
+            raise StateError(f"{_where(path)} is a meta tensor (no data); materialize it (e.g. to_empty + init) before saving")
         if obj.layout != torch.strided:
-            raise StateError(f"{where} has layout {obj.layout}; convert it to a dense tensor (to_dense()) before saving")
+            raise StateError(f"{_where(path)} has layout {obj.layout}; convert it to a dense tensor (to_dense()) before saving")
         if type(obj) not in (torch.Tensor, torch.nn.Parameter) and not _is_dtensor(obj):
-            raise StateError(f"{where} is a tensor subclass {type(obj).__name__}; register plain tensors")
+            raise StateError(f"{_where(path)} is a tensor subclass {type(obj).__name__}; register plain tensors")
         return
     if isinstance(obj, DeferredScalar):
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
             if str_keys and not isinstance(k, str):
-                raise StateError(f"{where} has a non-string key {k!r} ({type(k).__name__}); state dict keys must be strings")
+                raise StateError(f"{_where(path)} has a non-string key {k!r} ({type(k).__name__}); state dict keys must be strings")
             if not isinstance(k, (str, int, float, bool, type(None), tuple)):
-                raise StateError(f"{where} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
-            _validate(v, f"{where}[{k!r}]", False, depth + 1)
+                raise StateError(f"{_where(path)} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
+            _validate(v, (path, k), False, depth + 1)
         return
     if isinstance(obj, (list, tuple, set, frozenset)):
         if isinstance(obj, tuple) and type(obj) is not tuple and not isinstance(obj, torch.Size):
-            raise StateError(f"{where} is a {type(obj).__name__} (a namedtuple?); use a plain tuple, list or dict")
+            raise StateError(f"{_where(path)} is a {type(obj).__name__} (a namedtuple?); use a plain tuple, list or dict")
         for i, v in enumerate(obj):
-            _validate(v, f"{where}[{i}]", False, depth + 1)
+            _validate(v, (path, i), False, depth + 1)
         return
     if isinstance(obj, _ATOMS):
         return
     raise StateError(
-        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be stored safely "
+        f"{_where(path)} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be stored safely "
         "(checkpoints load without unpickling code): convert it to tensors, numbers, strings, lists or dicts"
     )
 

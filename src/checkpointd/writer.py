@@ -64,6 +64,9 @@ class SaveJob:
     plan_files: Callable[[], None] | None = None
     """Runs first, before ``before_write`` waits for the copies: pickles the files into ``files`` when
     that needs no copied value (the Python work then overlaps the copy, not the training steps after it)."""
+    plan_when: Callable[[float], bool] | None = None
+    """Waits (at most the given seconds) until planning costs the training thread least: on CUDA, until
+    its next optimizer step was reached (see ``snapshot.PendingCopies.training_waits``)."""
     fast: bool = False
     """Write every file at full speed (a preemption save, ``CHECKPOINTD_PERSIST=fast``), not gently."""
     future: Future = field(default_factory=Future)
@@ -131,11 +134,17 @@ class BackgroundWriter(SerialWorker):
         """Pickle the files and lay out their zip images ahead of the copies, where the job allows it."""
         if job.plan_files is None:
             return
+        wait = _env_seconds("CHECKPOINTD_PLAN_WAIT_SECS", PLAN_WAIT_SECS)
+        if job.plan_when is not None and wait > 0:
+            t0 = time.perf_counter()
+            job.plan_when(wait)
+            job.timings["plan_wait_secs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        job.plan_files()
-        for fjob in job.files:
-            if parallel_write_applies(self.store, self.codec, fjob):
-                fjob.image = file_image(fjob)
+        with _short_gil_switch_interval(planning=True):
+            job.plan_files()
+            for fjob in job.files:
+                if parallel_write_applies(self.store, self.codec, fjob):
+                    fjob.image = file_image(fjob)
         job.timings["plan_secs"] = time.perf_counter() - t0
 
     def write_files(self, job: SaveJob) -> BaseException | None:
@@ -212,36 +221,76 @@ checkpoints each, stall 31.7 and 33.0 ms at 5 ms against 44.1 and 43.9 ms at 0.5
 against 29.5); 4.83 GB, 62.7 against 64.7 ms. A short interval forces the training thread off the GIL
 every time an I/O thread returns from a write."""
 
+PLAN_GIL_SWITCH_INTERVAL_SECS = 0.0002
+"""While the committer thread plans a save (pickling, zip layout: 4-11 ms of Python on a 5 GB state),
+the switch interval is at most this (``CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS``; 0 leaves it alone).
+
+Why: planning starts the moment ``maybe_save`` hands the job over, while the training thread is about
+to wait for the GPU (the save step's synchronisation, or the copy). Waiting releases the GIL, the
+planner takes it, and when the wait ends the training thread gets the GIL back only after a full switch
+interval: up to 5 ms on the save step, paid every checkpoint. With a short interval it gets it back
+within ~0.2 ms; the planner's own CPU time is unchanged (a few hundred more switches)."""
+
+PLAN_WAIT_SECS = 2.0
+"""At most this long the committer waits for the training thread's next optimizer step before planning
+(with no registered optimizer, or one that steps rarely, planning starts after it).
+``CHECKPOINTD_PLAN_WAIT_SECS`` overrides it for benchmarks (0: plan at once, as before session 9)."""
+
 _switch_lock = threading.Lock()
 _switch_users = 0
+_plan_users = 0
 _switch_saved = 0.005
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def _switch_interval() -> float:
     """``GIL_SWITCH_INTERVAL_SECS``, or ``CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS`` (for benchmarks)."""
-    try:
-        value = float(os.environ.get("CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS", GIL_SWITCH_INTERVAL_SECS))
-    except ValueError:
-        return GIL_SWITCH_INTERVAL_SECS
+    value = _env_seconds("CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS", GIL_SWITCH_INTERVAL_SECS)
     return value if value > 0 else GIL_SWITCH_INTERVAL_SECS
 
 
+def _apply_switch_interval() -> None:
+    """Set the interval the active writers and planners ask for (caller holds ``_switch_lock``)."""
+    value = _switch_saved
+    if _switch_users:
+        value = min(value, _switch_interval())
+    plan = _env_seconds("CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS", PLAN_GIL_SWITCH_INTERVAL_SECS)
+    if _plan_users and plan > 0:
+        value = min(value, plan)
+    sys.setswitchinterval(value)
+
+
 @contextlib.contextmanager
-def _short_gil_switch_interval() -> Iterator[None]:
-    """Lower the interpreter's switch interval while any writer is busy; restore it after the last."""
-    global _switch_users, _switch_saved
+def _short_gil_switch_interval(planning: bool = False) -> Iterator[None]:
+    """Lower the interpreter's switch interval while any writer is busy (``planning``: while any
+    planner is, to ``PLAN_GIL_SWITCH_INTERVAL_SECS``); restore it after the last."""
+    global _switch_users, _plan_users, _switch_saved
     with _switch_lock:
-        if _switch_users == 0:
+        if _switch_users == 0 and _plan_users == 0:
             _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch_saved, _switch_interval()))
-        _switch_users += 1
+        if planning:
+            _plan_users += 1
+        else:
+            _switch_users += 1
+        _apply_switch_interval()
     try:
         yield
     finally:
         with _switch_lock:
-            _switch_users -= 1
-            if _switch_users == 0:
+            if planning:
+                _plan_users -= 1
+            else:
+                _switch_users -= 1
+            if _switch_users == 0 and _plan_users == 0:
                 sys.setswitchinterval(_switch_saved)
+            else:
+                _apply_switch_interval()
 
 
 class _CountingSink:

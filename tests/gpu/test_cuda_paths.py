@@ -178,3 +178,55 @@ def test_device_clone_warm_up_touches_no_staging_buffer():
     _warm_device_clone(buffers)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(buffers, before))
+
+
+@pytest.mark.parametrize("device_staging", [False, True])
+def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, device_staging):
+    """The committer pickles the files once the training thread reached its next optimizer step (it then
+    waits for the GPU, holding no GIL), not during the save step and the forward after it; with no
+    step, after ``PLAN_WAIT_SECS``; an explicit wait lets it plan at once. The files stay bit-exact."""
+    import time
+
+    from checkpointd import writer as writer_mod
+
+    planned_at: list[float] = []
+    orig_plan_job = writer_mod.BackgroundWriter.plan_job
+
+    def plan_job(self, job):
+        orig_plan_job(self, job)
+        planned_at.append(time.perf_counter())
+
+    monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
+    model = _big_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    _train_step(model, opt)
+    kw = {"device_staging_budget_bytes": 8 << 30} if device_staging else {}
+    mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, **kw)
+    mgr.save(1)
+    mgr.wait()
+    assert len(planned_at) == 1
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    mgr.save(2)
+    model(torch.randn(64, model[0].num_features, device="cuda")).square().mean().backward()  # no planning yet
+    time.sleep(0.3)
+    assert len(planned_at) == 1, "planned before the training thread reached its optimizer step"
+    t_step = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mgr.wait()
+    assert len(planned_at) == 2 and planned_at[1] >= t_step
+    assert mgr.stats()["last_save"]["plan_wait_secs"] >= 0.3
+
+    monkeypatch.setattr(writer_mod, "PLAN_WAIT_SECS", 0.2)
+    t_save = time.perf_counter()
+    mgr.save(3)  # no optimizer step follows: planning starts after PLAN_WAIT_SECS
+    deadline = time.monotonic() + 10
+    while len(planned_at) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(planned_at) == 3 and planned_at[2] - t_save >= 0.2
+    mgr.wait()
+    mgr.close()
+    got = load(str(tmp_path), 2)["model"]
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
