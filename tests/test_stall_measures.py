@@ -120,43 +120,60 @@ def test_files_are_planned_before_the_copies_are_waited_for(tmp_path, monkeypatc
         assert torch.equal(state["model"][k], v)
 
 
-def test_planning_runs_at_a_short_gil_switch_interval_and_puts_it_back(tmp_path, monkeypatch) -> None:
-    """While the committer plans, the training thread must get the GIL back quickly: the interpreter's
-    switch interval is lowered to ``PLAN_GIL_SWITCH_INTERVAL_SECS`` for the planning only."""
+def _plan(job) -> None:
+    from checkpointd import writer as writer_mod
+
+    w = object.__new__(writer_mod.BackgroundWriter)  # plan_job needs no store for a job without files
+    writer_mod.BackgroundWriter.plan_job(w, job)
+
+
+def _job(plan_files, plan_when=None):
+    from checkpointd.writer import SaveJob
+
+    return SaveJob(step=1, step_dir="step_1", files=[], manifest=None, before_write=lambda: None,  # type: ignore[arg-type]
+                   after_files=lambda: None, plan_files=plan_files, plan_when=plan_when)
+
+
+def test_deferred_planning_waits_then_runs_at_a_short_gil_switch_interval(monkeypatch) -> None:
+    """A large CUDA snapshot's planning waits for ``plan_when`` (the training thread's next optimizer
+    step), then runs at ``PLAN_GIL_SWITCH_INTERVAL_SECS`` so the training thread gets the GIL back at
+    once when its wait for the GPU ends; the application's interval is put back. Without ``plan_when``
+    (small snapshots, CPU) planning starts at once and the interval is left alone."""
     import sys
 
     from checkpointd import writer as writer_mod
 
-    seen: list[tuple[str, float]] = []
-    orig_plan_job = writer_mod.BackgroundWriter.plan_job
-
-    def plan_job(self, job):
-        orig_plan_files = job.plan_files
-
-        def plan_files():
-            seen.append(("planning", sys.getswitchinterval()))
-            orig_plan_files()
-        job.plan_files = plan_files
-        orig_plan_job(self, job)
-        seen.append(("planned", sys.getswitchinterval()))
-
-    monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
     before = sys.getswitchinterval()
     assert before > writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS
-    with CheckpointManager(str(tmp_path / "a"), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
-        mgr.save(1)
-        mgr.wait()
-    assert seen[0] == ("planning", pytest.approx(writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS)), seen
-    assert seen[1][1] == pytest.approx(min(before, writer_mod.GIL_SWITCH_INTERVAL_SECS)), "back to the writer's interval"
+    ready = threading.Event()
+    seen: list[tuple[str, float]] = []
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())),
+               lambda secs: seen.append(("waiting", secs)) or ready.wait(secs))
+    threading.Timer(0.2, ready.set).start()
+    _plan(job)
+    assert seen == [("waiting", writer_mod.PLAN_WAIT_SECS),
+                    ("planning", pytest.approx(writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS))], seen
+    assert 0.15 <= job.timings["plan_wait_secs"] < writer_mod.PLAN_WAIT_SECS
     assert sys.getswitchinterval() == pytest.approx(before), "the application's interval is put back"
 
     seen.clear()
-    monkeypatch.setenv("CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS", "0")
-    with CheckpointManager(str(tmp_path / "b"), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())))
+    _plan(job)
+    assert seen == [("planning", pytest.approx(before))] and "plan_wait_secs" not in job.timings
+
+    seen.clear()
+    monkeypatch.setenv("CHECKPOINTD_PLAN_WAIT_SECS", "0")  # the benchmarks' switch back to planning at once
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())), lambda secs: seen.append(("waiting", secs)))
+    _plan(job)
+    assert seen == [("planning", pytest.approx(before))]
+
+
+def test_cpu_saves_plan_at_once(tmp_path) -> None:
+    """CPU tensors are copied inside ``maybe_save``: nothing to wait for, the job plans at once."""
+    with CheckpointManager(str(tmp_path), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
         mgr.save(1)
         mgr.wait()
-    assert seen[0] == ("planning", pytest.approx(min(before, writer_mod.GIL_SWITCH_INTERVAL_SECS))), "0 turns it off"
-    assert sys.getswitchinterval() == pytest.approx(before)
+        assert "plan_wait_secs" not in mgr.stats()["last_save"]
 
 
 def test_run_tasks_lanes_bound_concurrency_and_keep_order() -> None:

@@ -188,7 +188,8 @@ def stage_save(
 
     job.before_write = before_write
     job.plan_files = plan_ahead
-    job.plan_when = staged_in_order.copies.training_waits.wait
+    if staged_in_order.copies.defer_planning:
+        job.plan_when = staged_in_order.copies.training_waits.wait
     return job
 
 

@@ -7,6 +7,7 @@ Skipped where CUDA is unavailable (CI); run on a GPU host with ``python -m pytes
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -180,14 +181,18 @@ def test_device_clone_warm_up_touches_no_staging_buffer():
     assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(buffers, before))
 
 
-@pytest.mark.parametrize("device_staging", [False, True])
-def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, device_staging):
-    """The committer pickles the files once the training thread reached its next optimizer step (it then
-    waits for the GPU, holding no GIL), not during the save step and the forward after it; with no
-    step, after ``PLAN_WAIT_SECS``; an explicit wait lets it plan at once. The files stay bit-exact."""
+@pytest.mark.parametrize("device_staging,width", [(False, 4096), (True, 4096), (True, 512)])
+def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, device_staging, width):
+    """A large snapshot's files are pickled once the training thread reached its next optimizer step (it
+    then waits for the GPU, holding no GIL), not during the save step and the forward after it; with no
+    step, after ``PLAN_WAIT_SECS``. The files stay bit-exact. (Width 512 is a small state, copied in one
+    paced batch at the forward's hook, made "large" here so its deferral is exercised too.)"""
     import time
 
+    from checkpointd import snapshot as snapshot_mod
     from checkpointd import writer as writer_mod
+
+    monkeypatch.setattr(snapshot_mod, "PLAN_DEFER_MIN_BYTES", 0)
 
     planned_at: list[float] = []
     orig_plan_job = writer_mod.BackgroundWriter.plan_job
@@ -197,7 +202,7 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
         planned_at.append(time.perf_counter())
 
     monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
-    model = _big_model()
+    model = _big_model(width)  # 512: copied in one paced batch, at the forward's hook
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     _train_step(model, opt)
     kw = {"device_staging_budget_bytes": 8 << 30} if device_staging else {}
@@ -214,9 +219,12 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
     t_step = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    deadline = time.monotonic() + 1.5  # well before PLAN_WAIT_SECS: the step's hook, not the timeout
+    while len(planned_at) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(planned_at) == 2 and planned_at[1] >= t_step, "the optimizer step's hook must let planning start"
     mgr.wait()
-    assert len(planned_at) == 2 and planned_at[1] >= t_step
-    assert mgr.stats()["last_save"]["plan_wait_secs"] >= 0.3
+    assert 0.3 <= mgr.stats()["last_save"]["plan_wait_secs"] < writer_mod.PLAN_WAIT_SECS
 
     monkeypatch.setattr(writer_mod, "PLAN_WAIT_SECS", 0.2)
     t_save = time.perf_counter()
@@ -230,3 +238,33 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
     got = load(str(tmp_path), 2)["model"]
     for k, v in expected.items():
         assert torch.equal(got[k], v), k
+
+
+def test_small_snapshots_plan_at_once(tmp_path, monkeypatch):
+    """Below ``PLAN_DEFER_MIN_BYTES`` the committer plans without waiting for the optimizer step."""
+    import time
+
+    from checkpointd import writer as writer_mod
+
+    planned = threading.Event()
+    orig_plan_job = writer_mod.BackgroundWriter.plan_job
+
+    def plan_job(self, job):
+        orig_plan_job(self, job)
+        planned.set()
+
+    monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
+    model = _big_model(512)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    _train_step(model, opt)
+    with CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        planned.clear()
+        t0 = time.perf_counter()
+        mgr.save(2)
+        assert planned.wait(1.0), "a small snapshot must not wait for the optimizer step to plan"
+        assert time.perf_counter() - t0 < 1.0
+        _train_step(model, opt)
+        mgr.wait()
+        assert "plan_wait_secs" not in mgr.stats()["last_save"]
