@@ -136,7 +136,7 @@ class BackgroundWriter(SerialWorker):
         if job.plan_files is None:
             return
         wait = _env_seconds("CHECKPOINTD_PLAN_WAIT_SECS", PLAN_WAIT_SECS)
-        deferred = job.plan_when is not None and wait > 0
+        deferred = job.plan_when is not None and wait > 0 and not job.fast  # a preemption save plans at once
         if deferred:
             assert job.plan_when is not None
             t0 = time.perf_counter()
