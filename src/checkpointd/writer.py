@@ -136,14 +136,13 @@ class BackgroundWriter(SerialWorker):
         if job.plan_files is None:
             return
         wait = _env_seconds("CHECKPOINTD_PLAN_WAIT_SECS", PLAN_WAIT_SECS)
-        deferred = job.plan_when is not None and wait > 0 and not job.fast  # a preemption save plans at once
-        if deferred:
-            assert job.plan_when is not None
+        plan_when = job.plan_when if wait > 0 and not job.fast else None  # a preemption save plans at once
+        if plan_when is not None:
             t0 = time.perf_counter()
-            job.plan_when(wait)
+            plan_when(wait)
             job.timings["plan_wait_secs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with _short_gil_switch_interval(planning=True) if deferred else contextlib.nullcontext():
+        with _short_gil_switch_interval(planning=True) if plan_when is not None else contextlib.nullcontext():
             job.plan_files()
             for fjob in job.files:
                 if parallel_write_applies(self.store, self.codec, fjob):
