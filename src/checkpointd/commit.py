@@ -13,6 +13,7 @@ taken for a checkpoint.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 from . import layout
 from .checksum import sha256_hex
@@ -79,9 +80,15 @@ def read_committed_manifest(store: Store, step_dir: str) -> Manifest:
     return manifest
 
 
-def uncommit_and_remove(store: Store, step_dir: str) -> None:
-    """Delete a step directory: the marker first, so a crash mid-delete never leaves a 'committed' husk."""
+def uncommit_and_remove(store: Store, step_dir: str, recycle: Callable[[str], None] | None = None) -> None:
+    """Delete a step directory: the marker first, so a crash mid-delete never leaves a 'committed' husk.
+
+    ``recycle(step_dir)``, called between the two, may move files out for reuse
+    (:class:`checkpointd.recycle.Retirement`): by then the directory is no longer a checkpoint.
+    """
     store.remove(layout.join(step_dir, layout.COMMIT_MARKER_NAME))
+    if recycle is not None:
+        recycle(step_dir)
     store.remove_tree(step_dir)
 
 

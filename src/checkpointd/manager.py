@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import commit, gcfreeze, layout, ptlayout, restore as restore_mod
+from . import commit, gcfreeze, layout, ptlayout, recycle, restore as restore_mod
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -488,6 +488,11 @@ class CheckpointManager:
         self._hooks.clear()
         self._writer.close()
         self._snap.close()
+        if self._store.is_local:
+            try:
+                recycle.empty(self._store)  # retired files kept for the next save: there is none
+            except OSError as exc:
+                logger.warning("checkpointd: cannot empty the recycling bin under %s: %s", self._store.display(), exc)
         if self._dist is not None:
             self._dist.close()
         if self._froze_gc:

@@ -61,7 +61,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import fsinfo
+from . import fsinfo, recycle
 from .crc import crc32, crc32_combine
 from .lanes import run_in_lanes
 
@@ -691,12 +691,17 @@ def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:
 
 def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None,
-               fast: bool = False) -> WriteResult:
+               fast: bool = False, recycle_from: str | None = None) -> WriteResult:
     """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
 
     On any failure the partial file is removed and the error raised. ``fill``, ``fast``: see :func:`write_image`.
+    ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it becomes
+    ``path`` and is written over (:func:`write_image` sets its size first).
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)  # RDWR: mmap mode
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)  # RDWR: mmap mode
+    if recycle_from is None or not recycle.take(recycle_from, path, img.end):
+        flags |= os.O_TRUNC
+    fd = os.open(path, flags, 0o644)
     try:
         result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
         if durable:

@@ -3,7 +3,8 @@
 The decision is the pure ``policy.RetentionPolicy``; this module does the I/O, on the committer
 thread, after a commit. Invariants (SPEC §2): only committed steps count; the newest committed step
 and every step in flight are never deleted; a committed step is deleted marker first
-(``commit.uncommit_and_remove``), so a crash mid-delete never leaves a "committed" husk; uncommitted
+(``commit.uncommit_and_remove``), so a crash mid-delete never leaves a "committed" husk, and on local
+targets its large files go to the recycling bin for the next save to overwrite (``recycle``); uncommitted
 directories are removed only below the step just committed (a higher one may belong to a save that
 another rank or process is still writing).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from . import commit, layout
+from . import commit, layout, recycle
 from .errors import CheckpointError
 from .policy import RetentionPolicy
 from .storage import Store
@@ -36,9 +37,13 @@ def apply_retention(store: Store, policy: RetentionPolicy, just_committed: int, 
     keep = policy.steps_to_keep(committed, metrics)
     newest = max(committed) if committed else None
     deleted = []
+    retirement = None
     for s in committed:
         if s not in keep and s not in protected and s != newest:
-            commit.uncommit_and_remove(store, dirs.get(s, layout.step_dir_name(s)))
+            if retirement is None and recycle.enabled(store):
+                retirement = recycle.Retirement(store, dirs.get(just_committed, layout.step_dir_name(just_committed)))
+            commit.uncommit_and_remove(store, dirs.get(s, layout.step_dir_name(s)),
+                                       recycle=retirement.retire if retirement is not None else None)
             deleted.append(s)
     committed_set = set(committed)
     for s, name in dirs.items():

@@ -42,6 +42,7 @@ from fsspec.registry import register_implementation
 from fsspec.core import url_to_fs
 
 from . import layout
+from . import recycle as recycling
 from .retry import RetryPolicy
 from .storage_writers import _DurableLocalFile, _GuardedFile, _S3MultipartWriter, _s3_remove_tree
 
@@ -138,7 +139,7 @@ class Store:
         return layout.join(self.url, rel) if rel else self.url
 
     # -- writing -------------------------------------------------------------------------------
-    def open_write(self, rel: str) -> WriteFile:
+    def open_write(self, rel: str, recycle: bool = False) -> WriteFile:
         """A binary file for writing; ``close()`` makes it durable, ``abort()`` (alias ``discard()``)
         throws it away: never call ``close()`` after a failed write, that would commit a partial object.
 
@@ -146,11 +147,14 @@ class Store:
         (local disk, other filesystems). Not retried here: the caller retries the whole file, e.g.
         ``store.retry.call(write_it, describe=...)``.
 
+        ``recycle``: a large data file: on a local store it may be written over a retired file
+        (:mod:`checkpointd.recycle`).
+
         Raises:
             NotADirectoryError: the root is a file.
         """
         self._check_root_is_dir()
-        return _open_writer(self.fs, self.path(rel), self)
+        return _open_writer(self.fs, self.path(rel), self, recycle)
 
     def write_bytes(self, rel: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object durably, retried as a whole on transient errors."""
@@ -297,8 +301,11 @@ def _is_s3(fs: AbstractFileSystem) -> bool:
     return hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and hasattr(fs, "loop")
 
 
-def _open_writer(fs: AbstractFileSystem, full: str, store: Store) -> WriteFile:
-    """The best writer for ``fs``; a wrapper filesystem may wrap the writer of its target."""
+def _open_writer(fs: AbstractFileSystem, full: str, store: Store, recycle: bool = False) -> WriteFile:
+    """The best writer for ``fs``; a wrapper filesystem may wrap the writer of its target.
+
+    ``recycle``: a large data file, which on a local store may take a retired file (:mod:`checkpointd.recycle`).
+    """
     wrap = getattr(fs, "wrap_write_file", None)
     target = getattr(fs, "target", None)
     if callable(wrap) and isinstance(target, AbstractFileSystem):
@@ -306,7 +313,8 @@ def _open_writer(fs: AbstractFileSystem, full: str, store: Store) -> WriteFile:
         return wrap(full, lambda: _open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
     if _is_local(fs):
         _local_makedirs(os.path.dirname(full), store)
-        return _DurableLocalFile(full)
+        bin_dir = recycling.bin_dir(store) if recycle and recycling.enabled(store) else None
+        return _DurableLocalFile(full, recycle_from=bin_dir)
     if _is_s3(fs):
         return _S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
     return _GuardedFile(fs, full)

@@ -21,6 +21,7 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from . import recycle
 from .retry import RetryPolicy
 
 logger = logging.getLogger("checkpointd")
@@ -87,11 +88,16 @@ class _WriterBase:
 
 
 class _DurableLocalFile(_WriterBase):
-    """A local file whose ``close()`` fsyncs the data and its directory entry."""
+    """A local file whose ``close()`` fsyncs the data and its directory entry.
 
-    def __init__(self, path: str) -> None:
+    ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it becomes
+    ``path``, is written over from its start and cut to the bytes written at ``close()``.
+    """
+
+    def __init__(self, path: str, recycle_from: str | None = None) -> None:
         self._path = path
-        self._f = open(path, "wb", buffering=0)
+        self._recycled = recycle_from is not None and recycle.take(recycle_from, path, recycle.MIN_RECYCLE_BYTES)
+        self._f = open(path, "r+b" if self._recycled else "wb", buffering=0)
         self._pos = 0
 
     @property
@@ -113,6 +119,8 @@ class _DurableLocalFile(_WriterBase):
         if self._f.closed:
             return
         try:
+            if self._recycled:
+                os.ftruncate(self._f.fileno(), self._pos)
             os.fsync(self._f.fileno())
         except BaseException:
             self.abort()

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from . import commit, layout
+from . import commit, layout, recycle
 from .checksum import ChecksumWriter, format_crc
 from .manifest import FileEntry, Manifest
 from .serialize import PtPlan, write_pt
@@ -330,7 +330,7 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
     rel = layout.join(step_dir, fjob.rel_path)
     if parallel_write_applies(store, codec, fjob):
         return _write_parallel(store, rel, codec, fjob, fast)
-    raw = store.open_write(rel)
+    raw = store.open_write(rel, recycle=True)
     try:
         checked = ChecksumWriter(raw)
         encoder = codec.encoder(checked)
@@ -379,7 +379,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fast)
+                                 fast=fast, recycle_from=recycle.bin_dir(store) if recycle.enabled(store) else None)
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 

@@ -1,0 +1,182 @@
+"""Recycling retired checkpoint files (``checkpointd.recycle``): the next save writes over them.
+
+What must hold: the files a save overwrites are ones retention retired, never a file that something
+else still has open, mapped or hard-linked; every checkpoint restores bit-exact; the bin never holds
+more than one save's worth and is gone after ``close()``; ``CHECKPOINTD_RECYCLE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, load, recycle
+from checkpointd.storage import Store
+
+pytestmark = pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETLEASE"), reason="needs Linux leases")
+
+BIN = recycle.BIN_NAME
+
+
+def _state(seed: float = 0.0):
+    model = torch.nn.Linear(2048, 2048, bias=False)  # 16 MiB of weights: the model file is recycled
+    with torch.no_grad():
+        model.weight.fill_(seed)
+    return model
+
+
+def _big_files(root) -> dict[str, os.stat_result]:
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.stat(p)
+            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
+                out[os.path.relpath(p, root)] = st
+    return out
+
+
+def _digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression):
+    model = _state()
+    seen_inodes: list[set[int]] = []
+    with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1,
+                           compression=compression) as mgr:
+        for step in range(4):
+            with torch.no_grad():
+                model.weight.normal_()  # random: zstd keeps the file large
+            mgr.maybe_save(step)
+            mgr.wait()
+            files = _big_files(tmp_path)
+            steps = {k for k in files if k.startswith("step-")}
+            seen_inodes.append({files[k].st_ino for k in steps})
+            binned = [k for k in files if k.startswith(BIN)]
+            # after a commit, the retired step's large files wait in the bin (step 0 retired nothing)
+            assert len(binned) == (0 if step == 0 else len(steps)), files
+            expected = model.weight.detach().clone()
+            assert torch.equal(load(tmp_path, step=step)["model"]["weight"], expected)
+    # step 2 was written over step 0's files, step 3 over step 1's
+    assert seen_inodes[2] == seen_inodes[0] and seen_inodes[3] == seen_inodes[1]
+    assert sorted(os.listdir(tmp_path)) == ["step-000000003"]  # close() emptied and removed the bin
+    fresh = _state(1.0)
+    with CheckpointManager(tmp_path, {"model": fresh}) as mgr:
+        assert mgr.restore_latest() == 3
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def _step_file(root, step: int) -> str:
+    (name,) = [k for k in _big_files(root) if k.startswith(f"step-{step:09d}/")]
+    return os.path.join(root, name)
+
+
+@pytest.mark.parametrize("holder", ["fd_here", "mapping", "other_process", "hard_link"])
+def test_a_retired_file_in_use_is_deleted_not_overwritten(tmp_path, holder):
+    model = _state()
+    keep = []
+    with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        mgr.maybe_save(0)
+        mgr.wait()
+        path = _step_file(tmp_path, 0)
+        before = _digest(path)
+        if holder == "fd_here":
+            keep.append(open(path, "rb"))
+        elif holder == "mapping":
+            with open(path, "rb") as f:
+                keep.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))  # the descriptor is closed
+        elif holder == "other_process":
+            proc = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); "
+                                     "print('open', flush=True); sys.stdin.read()", path],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout.readline().strip() == "open"
+        else:
+            os.link(path, tmp_path.parent / f"{tmp_path.name}-link.pt")
+        try:
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                mgr.maybe_save(step)
+                mgr.wait()
+            if holder == "fd_here":
+                keep[0].seek(0)
+                assert hashlib.sha256(keep[0].read()).hexdigest() == before
+            elif holder == "mapping":
+                assert hashlib.sha256(keep[0][:]).hexdigest() == before
+            elif holder == "other_process":
+                out = subprocess.run([sys.executable, "-c", "import hashlib, os, sys; "
+                                      "print(hashlib.sha256(open(f'/proc/{sys.argv[1]}/fd/3', 'rb').read()).hexdigest())",
+                                      str(proc.pid)], capture_output=True, text=True, check=True)
+                assert out.stdout.strip() == before
+            else:
+                assert _digest(tmp_path.parent / f"{tmp_path.name}-link.pt") == before
+        finally:
+            for k in keep:
+                k.close()
+            if holder == "other_process":
+                proc.stdin.close()
+                proc.wait(timeout=30)
+    assert torch.equal(load(tmp_path, step=3)["model"]["weight"], model.weight)
+
+
+def test_disabled_by_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(recycle.RECYCLE_ENV, "0")
+    model = _state()
+    with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        for step in range(3):
+            mgr.maybe_save(step)
+            mgr.wait()
+            assert BIN not in os.listdir(tmp_path)
+
+
+def _bin_file(directory, name: str, nbytes: int) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return path
+
+
+def test_take_prefers_the_smallest_file_that_fits(tmp_path):
+    mib = 1 << 20
+    d = tmp_path / BIN
+    _bin_file(d, "a", 20 * mib)
+    _bin_file(d, "b", 40 * mib)
+    _bin_file(d, "c", 30 * mib)
+    assert recycle.take(str(d), str(tmp_path / "x"), 25 * mib)
+    assert os.path.getsize(tmp_path / "x") == 30 * mib
+    assert recycle.take(str(d), str(tmp_path / "y"), 50 * mib)  # none fits: the largest left
+    assert os.path.getsize(tmp_path / "y") == 40 * mib
+    assert not recycle.take(str(d), str(tmp_path / "z"), 1024)  # small files are never recycled
+    assert recycle.take(str(d), str(tmp_path / "z"), 20 * mib)
+    assert not recycle.take(str(d), str(tmp_path / "w"), 20 * mib)  # the bin is empty
+    assert not recycle.take(str(tmp_path / "no-bin"), str(tmp_path / "w"), 20 * mib)
+
+
+def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
+    mib = 1 << 20
+    store = Store(str(tmp_path))
+    stale = _bin_file(tmp_path / BIN, "stale", 20 * mib)  # left by an earlier pass: deleted first
+    for step, sizes in {1: [20, 30], 2: [20, 30], 3: [20, 30]}.items():
+        for k, size in enumerate(sizes):
+            _bin_file(tmp_path / f"step-{step:09d}", f"f{k}", size * mib)
+    small = _bin_file(tmp_path / "step-000000001", "small", 1024)
+    retirement = recycle.Retirement(store, "step-000000003")  # the next save writes 50 MiB
+    retirement.retire("step-000000001")
+    retirement.retire("step-000000002")
+    assert not os.path.exists(stale)
+    assert os.path.exists(small)  # small files stay for the caller to delete with the directory
+    assert sorted(n for _, n in recycle._bin_entries(str(tmp_path / BIN))) == [20 * mib, 30 * mib]
+    assert retirement.recycled_bytes == 50 * mib
+    assert sorted(os.listdir(tmp_path / "step-000000002")) == ["f0", "f1"]  # over budget: left to be deleted
+    recycle.empty(store)
+    assert not (tmp_path / BIN).exists()
