@@ -45,7 +45,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_fast", "checkpointd_threads", "checkpointd_zstd"]
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_fast", "checkpointd_threads",
+               "checkpointd_zstd"]
+RECYCLING = "checkpointd_recycle"
+"""The steady state of training (``keep_last=1``): each save writes over the files that retention retired
+(``checkpointd.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
               "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
@@ -85,14 +89,24 @@ class Row:
         pass
 
 
-def raw_row(root: str, views, method: str, **kw) -> Row:
+def raw_row(root: str, views, method: str, overwrite: bool = False, **kw) -> Row:
+    """Raw writes into new files, or (``overwrite``) over the files of the row's previous repetition
+    (the first is written untimed), as checkpointd writes over recycled files."""
+    d = os.path.join(root, "raw-overwrite" if overwrite else "raw")
+
     def once() -> float:
-        d = os.path.join(root, "raw")
-        C.clean_dir(d)
-        dt, _ = C.raw_write(d, views, **kw)
-        shutil.rmtree(d, ignore_errors=True)
+        if not overwrite:
+            C.clean_dir(d)
+        elif not os.path.isdir(d):
+            C.raw_write(d, views, **kw)
+        dt, _ = C.raw_write(d, views, truncate=not overwrite, **kw)
+        if not overwrite:
+            shutil.rmtree(d, ignore_errors=True)
         return dt
-    return Row(method, "raw", once)
+
+    row = Row(method, "raw_overwrite" if overwrite else "raw", once)
+    row.close = lambda: shutil.rmtree(d, ignore_errors=True)  # type: ignore[method-assign]
+    return row
 
 
 def torch_save_row(root: str, out: dict, model, opt) -> Row:
@@ -127,6 +141,11 @@ def rows_for(out: dict, root: str, args, dev: C.Dev, model, opt, views) -> list[
         n_model = sum(1 for _ in model.parameters())
         like = [list(range(n_model)), list(range(n_model, len(views)))]
         rows.append(raw_row(root, views, "raw model + optim files x 1 thr each", nfiles=2, threads=2, groups=like))
+        if RECYCLING in args.methods:  # its ceiling: the fastest writes over existing files
+            thr = max(C.thread_counts(args.raw_threads))
+            memory = C.is_memory_fs(out["fs"])
+            rows.append(raw_row(root, views, f"raw 1 file x {thr} thr ({'mmap' if memory else 'writeback'}, overwrite)",
+                                overwrite=True, nfiles=1, threads=thr, mmap_mode=memory, writeback=not memory))
     if "torch_save" in args.methods:
         rows.append(torch_save_row(root, out, model, opt))
     for m in [m for m in args.methods if m.startswith("checkpointd")]:
@@ -179,6 +198,7 @@ class CheckpointdRow(Row):
 
     def __init__(self, root: str, method: str, args, dev: C.Dev, model, opt) -> None:
         super().__init__(method, method)
+        self.method = method
         self.data["notes"] = []
         self.dir = os.path.join(root, method)
         self.args, self.dev, self.model, self.opt = args, dev, model, opt
@@ -199,12 +219,14 @@ class CheckpointdRow(Row):
         with C.env_set(self.knobs):
             if self.mgr is None:
                 C.clean_dir(d)
-                kw = dict(keep_last=None, compression=self.compression, max_pending=1)
+                kw = dict(keep_last=1 if self.method == RECYCLING else None, compression=self.compression, max_pending=1)
                 kw.update(C.parse_json_arg(self.args.ckd_kwargs))
                 t0 = time.perf_counter()
                 self.mgr = C.make_manager(d, {"model": self.model, "optim": self.opt}, notes=row["notes"], **kw)
                 row["setup_s"] = time.perf_counter() - t0
                 row["warmup_s"] = self._save()[0]
+                if self.method == RECYCLING:  # retention after this one retires the first: the bin holds a save
+                    self._save()
                 self._clear()
             dt = self._save()
         row.setdefault("snapshot_s", []).append(dt[1])
@@ -235,8 +257,9 @@ class CheckpointdRow(Row):
         return t1 - t0, ts - t0, tb - t0
 
     def _clear(self) -> None:
-        """Free the space outside the timed region (the manager keeps every step)."""
-        if not self.args.keep_files:
+        """Free the space outside the timed region (the manager keeps every step; with recycling,
+        retention keeps one and retires the rest)."""
+        if not self.args.keep_files and self.method != RECYCLING:
             for x in os.listdir(self.dir):
                 if x.startswith("step-"):
                     shutil.rmtree(os.path.join(self.dir, x), ignore_errors=True)
@@ -275,7 +298,8 @@ def summarise(res: dict) -> str:
              f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}, fp32 params + AdamW moments), "
              f"on {w['state_on']}{' pinned' if w['pinned'] else ''}",
              f"   GB/s = state bytes / best of {res['args']['repeat']} x {res['args'].get('rounds', 1)} round(s) (first = first "
-             "repetition); x raw = vs the best raw row of the same dir; x raw/round = median over rounds of the same, "
+             "repetition); x raw = vs the best raw row of the same dir (overwrite rows and checkpointd_recycle: the best raw "
+             "overwrite row); x raw/round = median over rounds of the same, "
              "round by round (rows interleave); targets: checkpointd >= 0.9x raw, >= 3x torch_save"]
     for d in res["dirs"]:
         lines.append(f"\n-- {d['dir']} ({d['fs']})")
@@ -283,11 +307,15 @@ def summarise(res: dict) -> str:
             lines.append("   skipped: " + d["skipped"])
             continue
         rows = d["rows"]
-        raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
-        raw_by_round = round_bests([r for r in rows if r["kind"] == "raw"])
         ts_best = next((r["GBps"] for r in rows if r["kind"] == "torch_save" and r.get("GBps")), None)
         trows = []
         for r in rows:
+            # new files against raw writes of new files; overwrites (recycling) against raw overwrites
+            family = "raw_overwrite" if r["kind"] in ("raw_overwrite", RECYCLING) else "raw"
+            if not any(x["kind"] == family for x in rows):
+                family = "raw"
+            raw_best = max((x["GBps"] for x in rows if x["kind"] == family and x.get("GBps")), default=None)
+            raw_by_round = round_bests([x for x in rows if x["kind"] == family])
             t = {"method": r["method"]}
             if r.get("GBps"):
                 t.update(gbps=C.fmt(r["GBps"], ".2f"), best=C.fmt(min(r["times_s"]), ".3f"), first=C.fmt(r["times_s"][0], ".3f"))

@@ -43,7 +43,8 @@ import common as C  # noqa: E402
 WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
-               "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only"]
+               "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
+               "io_only_reuse"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
@@ -335,8 +336,49 @@ class SkipMethod(Exception):
     pass
 
 
+class IoOnlyReuse(IoOnly):
+    """``io_only`` writing into the files of the save before last instead of new ones (two sets of
+    files, alternating; nothing removed): the same bytes through the same process, but into tmpfs pages
+    that already exist. Against ``io_only`` it tells what allocating (and freeing) a checkpoint's worth
+    of file pages costs the training steps, apart from copying the bytes."""
+
+    name = "io_only_reuse"
+
+    def save(self, step):
+        self._drain()
+        self.old = []  # kept for the next save but one
+        self.t0 = time.perf_counter()
+        self.done_at = []
+        chunk = self.ptlayout.DEFAULT_CHUNK_BYTES
+        start = 0
+        slot = (step // max(1, self.b.every)) % 2
+        for k, size in enumerate(self.sizes):
+            path = os.path.join(self.b.dir, f"ioreuse{slot}-{k}-rank{os.environ.get('RANK', '0')}.bin")
+            self.files.add(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fd, size)
+            mode, lanes = self.ptlayout.persist_mode(fd)
+            tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
+            fut = self.pp.client().submit_write(fd, size, mode, lanes, tasks, [self.slab], self.fsinfo.early_writeback(fd))
+            fut.add_done_callback(lambda _f: self.done_at.append(time.perf_counter()))
+            self.pending.append((fut, fd, path))
+            start += size
+
+    def setup(self):
+        super().setup()
+        self.files: set[str] = set()
+
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            for path in self.files:
+                if os.path.exists(path):
+                    os.remove(path)
+
+
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
-                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly]}
+                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse]}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -168,7 +168,8 @@ class DistDcpAsyncPinned(DistDcpAsync):
 
 
 DIST_SAVERS = {c.name: c for c in [S.Saver, DistCheckpointd, DistCheckpointdZstd, DistCheckpointdDevice,
-                                   DistCheckpointdThreads, DistDcpAsync, DistDcpAsyncPinned, S.IoOnly]}
+                                   DistCheckpointdThreads, DistDcpAsync, DistDcpAsyncPinned, S.IoOnly,
+                                   S.IoOnlyReuse]}
 # bench_stall.Bench.run looks its saver up in bench_stall.SAVERS: in this process, these replace them.
 S.SAVERS.clear()
 S.SAVERS.update(DIST_SAVERS)

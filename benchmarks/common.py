@@ -565,13 +565,14 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
 
 def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: int,
               mmap_mode: bool = False, groups: list[list[int]] | None = None,
-              writeback: bool = False) -> tuple[float, list[tuple[str, list[int]]]]:
+              writeback: bool = False, truncate: bool = True) -> tuple[float, list[tuple[str, list[int]]]]:
     """Write ``views`` into ``nfiles`` files with ``threads`` threads (64 MiB pwrite chunks), fsync each.
 
     ``mmap_mode``: instead of pwrite, ``posix_fallocate`` each file, map it and copy the chunks into the
     mapping from the threads (what checkpointd's writer does on tmpfs). ``groups``: which views go into
     which file (default: ``nfiles`` files of about equal size). ``writeback``: start the disk on each
-    chunk once written (``sync_file_range``, what checkpointd's writer does on disks).
+    chunk once written (``sync_file_range``, what checkpointd's writer does on disks). ``truncate=False``:
+    write over files left by an earlier call (pages or blocks that exist, as a recycled checkpoint file).
     Returns the wall time from the first open to the last fsync, and [(file, view indices)] in file order.
     """
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
@@ -587,7 +588,7 @@ def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: i
                 tasks.append((fi, v[s:s + CHUNK_BYTES], off + s))
             off += len(v)
     t0 = time.perf_counter()
-    fds = [os.open(p, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o644) for p, _ in files]
+    fds = [os.open(p, os.O_CREAT | os.O_RDWR | (os.O_TRUNC if truncate else 0), 0o644) for p, _ in files]
     maps: list[Any] = []
     try:
         if mmap_mode:
