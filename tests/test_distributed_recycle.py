@@ -1,0 +1,77 @@
+"""Recycled files in sharded mode (two ranks, FSDP2): rank 0's retention retires every rank's files,
+each rank's next save takes one from the shared bin, and every checkpoint still restores bit-exact.
+
+``CHECKPOINTD_TEST_BACKEND=nccl`` runs it on two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
+
+from checkpointd import CheckpointManager, recycle
+
+WIDTH = 2560  # a rank's shard of the model: 2 x 2560^2 / 2 fp32 = 26 MB, its AdamW state twice that
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.b = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _inodes(root: str) -> dict[str, int]:
+    """Inode of every recyclable file under ``root`` (step directories and bin), by relative path."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.stat(p)
+            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
+                out[os.path.relpath(p, root)] = st.st_ino
+    return out
+
+
+def sharded_recycling(rank: int, world: int, root: str) -> Any:
+    import torch.distributed as dist
+
+    model, opt = fsdp2_with_adamw(_Net, seed=0)
+    seen = []
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression=None,
+                           keep_last=1, every_n_steps=1, dist_timeout_secs=30) as mgr:
+        for step in range(4):
+            train_same_batches(model, opt, 1, seed=step, features=WIDTH)
+            mgr.save(step)
+            mgr.wait()  # committed, retention applied (by rank 0)
+            dist.barrier()
+            seen.append(_inodes(root) if rank == 0 else None)
+            dist.barrier()
+        want = gathered_state(model, opt)
+    fresh, fresh_opt = fsdp2_with_adamw(_Net, seed=1)
+    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        restored = mgr.restore_latest()
+    assert restored == 3
+    assert_same_state(gathered_state(fresh, fresh_opt), want)
+    dist.barrier()
+    left = sorted(os.listdir(root)) if rank == 0 else None
+    return seen, left
+
+
+def test_sharded_saves_write_over_every_ranks_retired_files(tmp_path: Path) -> None:
+    (seen, left), _ = run_distributed(sharded_recycling, 2, str(tmp_path), deadline_secs=120)
+    by_step = [{v for k, v in s.items() if k.startswith("step-")} for s in seen]
+    binned = [{v for k, v in s.items() if k.startswith(recycle.BIN_NAME)} for s in seen]
+    assert len(by_step[0]) == 2  # one shard file a rank
+    assert binned[0] == set() and binned[1] == by_step[0]  # step 0 retired after step 1 committed
+    assert by_step[2] == by_step[0] and by_step[3] == by_step[1]  # each rank took a retired file
+    assert left == ["step-000000003"]  # close() emptied the bin
