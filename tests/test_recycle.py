@@ -149,16 +149,17 @@ def _bin_file(directory, name: str, nbytes: int) -> str:
 def test_take_prefers_the_smallest_file_that_fits(tmp_path):
     mib = 1 << 20
     d = tmp_path / BIN
-    _bin_file(d, "a", 20 * mib)
-    _bin_file(d, "b", 40 * mib)
-    _bin_file(d, "c", 30 * mib)
+    _bin_file(d, "a.bin", 20 * mib)
+    _bin_file(d, "b.bin", 40 * mib)
+    _bin_file(d, "d.checking", 50 * mib)  # still being checked: never taken
+    _bin_file(d, "c.bin", 30 * mib)
     assert recycle.take(str(d), str(tmp_path / "x"), 25 * mib)
     assert os.path.getsize(tmp_path / "x") == 30 * mib
     assert recycle.take(str(d), str(tmp_path / "y"), 50 * mib)  # none fits: the largest left
     assert os.path.getsize(tmp_path / "y") == 40 * mib
     assert not recycle.take(str(d), str(tmp_path / "z"), 1024)  # small files are never recycled
     assert recycle.take(str(d), str(tmp_path / "z"), 20 * mib)
-    assert not recycle.take(str(d), str(tmp_path / "w"), 20 * mib)  # the bin is empty
+    assert not recycle.take(str(d), str(tmp_path / "w"), 20 * mib)  # only the file being checked is left
     assert not recycle.take(str(tmp_path / "no-bin"), str(tmp_path / "w"), 20 * mib)
 
 

@@ -19,6 +19,8 @@ What keeps this safe:
 - A file is recycled only if nothing else has it open or mapped (an evaluation job still reading a
   retired checkpoint keeps reading intact bytes, as it would after a deletion): checked with a write
   lease (``F_SETLEASE``), which the kernel grants only when no other open file refers to the file.
+  The check runs after the file left its step directory (no new opener can find it) and before it
+  gets a name that savers take (``*.bin``; until then ``*.checking``).
   Where leases are not available (not Linux, a network file system), files are deleted as before.
 - Files with other hard links are deleted, never recycled.
 - A recycled file sits in a step directory that has no commit marker until every byte of the new save
@@ -43,6 +45,10 @@ BIN_NAME = ".checkpointd-recycle"
 """The bin's directory name under the checkpoint root (not step-shaped: listings ignore it)."""
 MIN_RECYCLE_BYTES = 16 << 20
 """Smaller files are deleted as before: recycling them saves nothing worth a rename."""
+
+_READY = ".bin"
+"""Bin entries that a save may take; ``_CHECKING`` ones are still being checked for other users."""
+_CHECKING = ".checking"
 
 _F_SETLEASE = getattr(__import__("fcntl"), "F_SETLEASE", None) if os.name == "posix" else None
 
@@ -157,16 +163,22 @@ class Retirement:
             if self.recycled_bytes + size > self.budget:
                 continue
             os.makedirs(self.dir, exist_ok=True)
-            target = os.path.join(self.dir, f"{uuid.uuid4().hex}.bin")
+            name = uuid.uuid4().hex
+            checking = os.path.join(self.dir, name + _CHECKING)  # not taken under this name
             try:
                 if os.stat(path).st_nlink != 1:
                     continue
-                os.rename(path, target)
+                os.rename(path, checking)
             except OSError:
                 continue
-            # Renamed first, so no new opener finds it by its old name; then refused if anyone has it.
-            if os.stat(target).st_nlink != 1 or not _exclusive(target):
-                _unlink(target)
+            # Renamed first, so no new opener finds it by its old name; then refused if anyone has it;
+            # only then under a name that savers take.
+            try:
+                if os.stat(checking).st_nlink != 1 or not _exclusive(checking):
+                    raise OSError("in use")
+                os.rename(checking, os.path.join(self.dir, name + _READY))
+            except OSError:
+                _unlink(checking)
                 continue
             self.recycled_bytes += size
 
@@ -176,7 +188,7 @@ def take(directory: str, path: str, nbytes: int) -> bool:
     ``nbytes``, else the largest); False if the bin has none (or others took them first)."""
     if nbytes < MIN_RECYCLE_BYTES:
         return False
-    entries = _bin_entries(directory)
+    entries = [e for e in _bin_entries(directory) if e[0].endswith(_READY)]
     fits = sorted((e for e in entries if e[1] >= nbytes), key=lambda e: e[1])
     rest = sorted((e for e in entries if e[1] < nbytes), key=lambda e: -e[1])
     for candidate, _ in fits + rest:
