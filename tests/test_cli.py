@@ -190,6 +190,22 @@ def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert checkpointd.load(str(root), step=10)["extra"] == {"a": 1}
 
 
+def test_gc_empties_the_recycling_bin(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpointd import recycle
+
+    bin_dir = root / recycle.BIN_NAME  # what a crashed run leaves: retired files no save took
+    bin_dir.mkdir()
+    for name in ("a.bin", "b.checking"):
+        with open(bin_dir / name, "wb") as f:
+            f.truncate(recycle.MIN_RECYCLE_BYTES)
+    code, out, _ = run(capsys, "gc", "--dry-run", str(root))
+    assert code == 0 and "would remove 2 retired file(s)" in out and (bin_dir / "a.bin").exists()
+    code, out, _ = run(capsys, "gc", "--json", str(root))
+    assert code == 0 and json.loads(out)["recycle_bin"] == {"files": 2, "bytes": 2 * recycle.MIN_RECYCLE_BYTES}
+    assert not bin_dir.exists()
+    assert json.loads(run(capsys, "gc", "--json", str(root))[1])["recycle_bin"] == {"files": 0, "bytes": 0}
+
+
 def test_gc_memory_url(capsys: pytest.CaptureFixture[str]) -> None:
     url = "memory://cli-gc/root"
     with CheckpointManager(url, _state()) as mgr:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from . import __version__, commit, layout
+from . import __version__, commit, layout, recycle
 from .cleanup import DEFAULT_GRACE_SECS, collect_garbage, human_secs, parse_duration, scan_dir
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
 from .storage import Store
@@ -358,10 +358,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise Usage(f"{store.display()} is a file; gc takes a checkpoint root")
     results = collect_garbage(store, older_than_secs=grace, dry_run=args.dry_run)
     failed = [r for r in results if r.action.startswith("failed")]
+    # retired files kept for a next save (recycle.py): a crashed run leaves them; taking them from a
+    # running job only makes its next save write new files
+    binned = recycle.contents(store) if store.is_local else (0, 0)
+    if binned[0] and not args.dry_run:
+        recycle.empty(store)
     if args.json:
         _print_json({"root": store.display(), "older_than_secs": grace, "dry_run": args.dry_run,
-                     "dirs": [r.to_dict() for r in results]})
+                     "dirs": [r.to_dict() for r in results],
+                     "recycle_bin": {"files": binned[0], "bytes": binned[1]}})
     else:
+        if binned[0]:
+            print(f"{'would remove' if args.dry_run else 'removed'} {binned[0]} retired file(s), "
+                  f"{binned[1] / 1e9:.2f} GB, from {recycle.BIN_NAME}")
         for r in results:
             age = "age ?" if r.age_secs is None else f"age {_fmt_age(r.age_secs)}"
             print(f"{r.action:<28} step {r.step:<12} {age:<12} {r.path}")

@@ -25,7 +25,8 @@ What keeps this safe:
 - Files with other hard links are deleted, never recycled.
 - A recycled file sits in a step directory that has no commit marker until every byte of the new save
   is written and checksummed: a crash midway leaves an uncommitted leftover, as with a new file.
-- ``close()`` empties the bin; a bin left by a crash is used (or emptied) by the next run's saves.
+- ``close()`` empties the bin; a bin left by a crash is used (or emptied) by the next run's saves,
+  or emptied by ``checkpointd gc`` (a running job then just writes its next save into new files).
 
 ``CHECKPOINTD_RECYCLE=0`` turns recycling off (files are deleted, new ones created).
 """
@@ -124,6 +125,12 @@ def empty(store: Any) -> None:
         pass  # absent, or a retirement beside us just put a file in
 
 
+def contents(store: Any) -> tuple[int, int]:
+    """``(files, bytes)`` in the bin (``checkpointd gc`` reports them before emptying it)."""
+    entries = _bin_entries(bin_dir(store))
+    return len(entries), sum(n for _, n in entries)
+
+
 def _bin_entries(directory: str) -> list[tuple[str, int]]:
     out = []
     try:
@@ -204,4 +211,4 @@ def take(directory: str, path: str, nbytes: int) -> bool:
     return False
 
 
-__all__ = ["BIN_NAME", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "bin_dir", "empty", "enabled", "take"]
+__all__ = ["BIN_NAME", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "bin_dir", "contents", "empty", "enabled", "take"]
