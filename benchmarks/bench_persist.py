@@ -149,7 +149,11 @@ def rows_for(out: dict, root: str, args, dev: C.Dev, model, opt, views) -> list[
     if "torch_save" in args.methods:
         rows.append(torch_save_row(root, out, model, opt))
     for m in [m for m in args.methods if m.startswith("checkpointd")]:
-        rows.append(CheckpointdRow(root, m, args, dev, model, opt))
+        row = CheckpointdRow(root, m, args, dev, model, opt)
+        need = 3.3 * sum(len(v) for v in views)  # kept step + retired files + the save being written
+        if m == RECYCLING and C.free_bytes(root) < need and not row.data.get("skipped"):
+            row.data["skipped"] = f"needs {need / 1e9:.1f} GB free for three copies of the state"
+        rows.append(row)
     return rows
 
 
