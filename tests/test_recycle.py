@@ -181,3 +181,17 @@ def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
     assert sorted(os.listdir(tmp_path / "step-000000002")) == ["f0", "f1"]  # over budget: left to be deleted
     recycle.empty(store)
     assert not (tmp_path / BIN).exists()
+
+
+def test_streamed_files_take_a_retired_file_only_when_large(tmp_path):
+    mib = 1 << 20
+    store = Store(str(tmp_path))
+    _bin_file(tmp_path / BIN, "a.bin", 40 * mib)
+    with store.open_write("step-000000001/small.pt", expected_bytes=1024) as f:
+        f.write(b"x" * 1024)
+    assert os.path.exists(tmp_path / BIN / "a.bin")  # a small file never takes one
+    with store.open_write("step-000000001/big.pt.zst", expected_bytes=30 * mib) as f:
+        f.write(b"y" * (3 * mib))  # compressed: fewer bytes than the retired file held
+    assert not os.path.exists(tmp_path / BIN / "a.bin")
+    with open(tmp_path / "step-000000001" / "big.pt.zst", "rb") as f:
+        assert f.read() == b"y" * (3 * mib)  # cut to what was written

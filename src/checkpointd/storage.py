@@ -139,7 +139,7 @@ class Store:
         return layout.join(self.url, rel) if rel else self.url
 
     # -- writing -------------------------------------------------------------------------------
-    def open_write(self, rel: str, recycle: bool = False) -> WriteFile:
+    def open_write(self, rel: str, expected_bytes: int = 0) -> WriteFile:
         """A binary file for writing; ``close()`` makes it durable, ``abort()`` (alias ``discard()``)
         throws it away: never call ``close()`` after a failed write, that would commit a partial object.
 
@@ -147,14 +147,14 @@ class Store:
         (local disk, other filesystems). Not retried here: the caller retries the whole file, e.g.
         ``store.retry.call(write_it, describe=...)``.
 
-        ``recycle``: a large data file: on a local store it may be written over a retired file
-        (:mod:`checkpointd.recycle`).
+        ``expected_bytes``: about how large the file will be; on a local store a large file may be
+        written over a retired one (:mod:`checkpointd.recycle`).
 
         Raises:
             NotADirectoryError: the root is a file.
         """
         self._check_root_is_dir()
-        return _open_writer(self.fs, self.path(rel), self, recycle)
+        return _open_writer(self.fs, self.path(rel), self, expected_bytes)
 
     def write_bytes(self, rel: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object durably, retried as a whole on transient errors."""
@@ -301,10 +301,10 @@ def _is_s3(fs: AbstractFileSystem) -> bool:
     return hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and hasattr(fs, "loop")
 
 
-def _open_writer(fs: AbstractFileSystem, full: str, store: Store, recycle: bool = False) -> WriteFile:
+def _open_writer(fs: AbstractFileSystem, full: str, store: Store, expected_bytes: int = 0) -> WriteFile:
     """The best writer for ``fs``; a wrapper filesystem may wrap the writer of its target.
 
-    ``recycle``: a large data file, which on a local store may take a retired file (:mod:`checkpointd.recycle`).
+    ``expected_bytes``: see :meth:`Store.open_write`.
     """
     wrap = getattr(fs, "wrap_write_file", None)
     target = getattr(fs, "target", None)
@@ -313,8 +313,9 @@ def _open_writer(fs: AbstractFileSystem, full: str, store: Store, recycle: bool 
         return wrap(full, lambda: _open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
     if _is_local(fs):
         _local_makedirs(os.path.dirname(full), store)
-        bin_dir = recycling.bin_dir(store) if recycle and recycling.enabled(store) else None
-        return _DurableLocalFile(full, recycle_from=bin_dir)
+        if expected_bytes >= recycling.MIN_RECYCLE_BYTES and recycling.enabled(store):
+            return _DurableLocalFile(full, recycle_from=recycling.bin_dir(store), expected_bytes=expected_bytes)
+        return _DurableLocalFile(full)
     if _is_s3(fs):
         return _S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
     return _GuardedFile(fs, full)

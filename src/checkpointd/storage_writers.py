@@ -90,13 +90,14 @@ class _WriterBase:
 class _DurableLocalFile(_WriterBase):
     """A local file whose ``close()`` fsyncs the data and its directory entry.
 
-    ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it becomes
-    ``path``, is written over from its start and cut to the bytes written at ``close()``.
+    ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it (about
+    ``expected_bytes`` large) becomes ``path``, is written over from its start and cut to the bytes
+    written at ``close()``.
     """
 
-    def __init__(self, path: str, recycle_from: str | None = None) -> None:
+    def __init__(self, path: str, recycle_from: str | None = None, expected_bytes: int = 0) -> None:
         self._path = path
-        self._recycled = recycle_from is not None and recycle.take(recycle_from, path, recycle.MIN_RECYCLE_BYTES)
+        self._recycled = recycle_from is not None and recycle.take(recycle_from, path, expected_bytes)
         self._f = open(path, "r+b" if self._recycled else "wb", buffering=0)
         self._pos = 0
 

@@ -330,7 +330,7 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
     rel = layout.join(step_dir, fjob.rel_path)
     if parallel_write_applies(store, codec, fjob):
         return _write_parallel(store, rel, codec, fjob, fast)
-    raw = store.open_write(rel, recycle=True)
+    raw = store.open_write(rel, expected_bytes=fjob.plan.data_nbytes)  # compressed: smaller
     try:
         checked = ChecksumWriter(raw)
         encoder = codec.encoder(checked)
