@@ -553,6 +553,9 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             parts = [[st[s - 1 + k] - med for s in r["saves"]] for k in range(3)]
             parts.append([sum(st[j] - med for j in range(s + 2, s - 1 + WINDOW)) for s in r["saves"]])
             r["stall_by_step_ms"] = [1e3 * sum(p) / len(p) for p in parts]
+        if not r["saves"]:  # the none runs, scored with the checkpoints' windows: the host's own noise
+            at = [k * every for k in range(1, steps // every + 1) if k * every - 1 + WINDOW <= len(st)]
+            r["placebo_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in at]
         in_window = set()
         for s in r["saves"]:
             in_window.update(range(s - 1, s - 1 + WINDOW))
@@ -607,6 +610,10 @@ def summarise(res: dict) -> str:
             row["note"] = "skipped: " + r["skipped"]
             rows.append(row)
             continue
+        p = r.get("placebo_ms") or []
+        if p and not r.get("stall_ms"):
+            row.update(stall=C.fmt(sum(p) / len(p)), smin=C.fmt(min(p)), smax=C.fmt(max(p)), first=C.fmt(p[0]),
+                       note="placebo: no checkpoint, the same windows")
         s = r.get("stall_ms") or []
         if s:
             mean = sum(s) / len(s)
@@ -675,7 +682,8 @@ def summarise(res: dict) -> str:
         head += ("   `none` baseline median step " + C.fmt(nones[0].get("none_median_step_ms"), ".2f") + " ms (pooled over "
                  + ", ".join(f"{r['method']} {r['median_step_ms']:.2f}" for r in nones) + " ms)\n")
     head += ("   stall = sum over save step + 20 steps of (step - median step of `none`), mean [min, max] over "
-             "checkpoints, first included; stall+ = same with negatives clipped; local = mean of the same windows against the median of\n"
+             "checkpoints, first included; on `none` rows the same windows of a run without checkpoints (placebo: what the host's\n"
+             "   own noise adds to a stall); stall+ = same with negatives clipped; local = mean of the same windows against the median of\n"
              "   the 20 steps before each save (blind to drift between runs; a diagnostic, not the verdict); save/+1/+2/rest = the stall's share on the save step,\n"
              "   the next two steps and the 18 after (means); block = time inside the save call;\n"
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
