@@ -10,12 +10,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 
 from checkpointd import CheckpointManager, recycle
+
+pytestmark = pytest.mark.skipif(recycle._F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 WIDTH = 2560  # a rank's shard of the model: 2 x 2560^2 / 2 fp32 = 26 MB, its AdamW state twice that
 

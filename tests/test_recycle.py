@@ -19,7 +19,7 @@ import torch
 from checkpointd import CheckpointManager, load, recycle
 from checkpointd.storage import Store
 
-pytestmark = pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETLEASE"), reason="needs Linux leases")
+pytestmark = pytest.mark.skipif(recycle._F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 BIN = recycle.BIN_NAME
 

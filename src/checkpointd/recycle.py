@@ -34,12 +34,14 @@ What keeps this safe:
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import uuid
 from typing import Any
 
-logger = logging.getLogger("checkpointd")
+try:
+    import fcntl
+except ImportError:  # not POSIX: no leases, no recycling
+    fcntl = None  # type: ignore[assignment]
 
 RECYCLE_ENV = "CHECKPOINTD_RECYCLE"
 BIN_NAME = ".checkpointd-recycle"
@@ -51,7 +53,7 @@ _READY = ".bin"
 """Bin entries that a save may take; ``_CHECKING`` ones are still being checked for other users."""
 _CHECKING = ".checking"
 
-_F_SETLEASE = getattr(__import__("fcntl"), "F_SETLEASE", None) if os.name == "posix" else None
+_F_SETLEASE: int | None = getattr(fcntl, "F_SETLEASE", None)  # Linux only
 
 
 def enabled(store: Any) -> bool:
@@ -66,8 +68,6 @@ def bin_dir(store: Any) -> str:
 
 def _exclusive(path: str) -> bool:
     """True if no open file other than ours refers to ``path`` (a write lease is granted only then)."""
-    import fcntl
-
     if _F_SETLEASE is None:
         return False
     try:
