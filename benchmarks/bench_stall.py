@@ -305,6 +305,11 @@ class IoOnly(Saver):
         self.old = [path for _, _, path in pending]
         self.pending = []
 
+    def _open(self, step: int, k: int) -> tuple[int, str]:
+        """A new file for part ``k`` of the save at ``step``."""
+        path = os.path.join(self.b.dir, f"io{step}-{k}-rank{os.environ.get('RANK', '0')}.bin")
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), path
+
     def save(self, step):
         self._drain()  # at most one in flight, as max_pending=1
         self.t0 = time.perf_counter()
@@ -312,8 +317,7 @@ class IoOnly(Saver):
         chunk = self.ptlayout.DEFAULT_CHUNK_BYTES
         start = 0
         for k, size in enumerate(self.sizes):
-            path = os.path.join(self.b.dir, f"io{step}-{k}-rank{os.environ.get('RANK', '0')}.bin")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd, path = self._open(step, k)
             os.ftruncate(fd, size)
             mode, lanes = self.ptlayout.persist_mode(fd)  # as a save's
             tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
@@ -344,25 +348,13 @@ class IoOnlyReuse(IoOnly):
 
     name = "io_only_reuse"
 
-    def save(self, step):
-        self._drain()
-        self.old = []  # kept for the next save but one
-        self.t0 = time.perf_counter()
-        self.done_at = []
-        chunk = self.ptlayout.DEFAULT_CHUNK_BYTES
-        start = 0
+    def _open(self, step: int, k: int) -> tuple[int, str]:
+        """Part ``k`` of the save before last, written over (the older of two sets of files)."""
+        self.old = []  # nothing is removed: kept for the save after next
         slot = (step // max(1, self.b.every)) % 2
-        for k, size in enumerate(self.sizes):
-            path = os.path.join(self.b.dir, f"ioreuse{slot}-{k}-rank{os.environ.get('RANK', '0')}.bin")
-            self.files.add(path)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(fd, size)
-            mode, lanes = self.ptlayout.persist_mode(fd)
-            tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
-            fut = self.pp.client().submit_write(fd, size, mode, lanes, tasks, [self.slab], self.fsinfo.early_writeback(fd))
-            fut.add_done_callback(lambda _f: self.done_at.append(time.perf_counter()))
-            self.pending.append((fut, fd, path))
-            start += size
+        path = os.path.join(self.b.dir, f"ioreuse{slot}-{k}-rank{os.environ.get('RANK', '0')}.bin")
+        self.files.add(path)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), path
 
     def setup(self):
         super().setup()

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
+from test_recycle import _big_files
 
 from checkpointd import CheckpointManager, recycle
 
@@ -35,14 +36,7 @@ class _Net(nn.Module):
 
 def _inodes(root: str) -> dict[str, int]:
     """Inode of every recyclable file under ``root`` (step directories and bin), by relative path."""
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            st = os.stat(p)
-            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
-                out[os.path.relpath(p, root)] = st.st_ino
-    return out
+    return {k: st.st_ino for k, st in _big_files(root).items()}
 
 
 def sharded_recycling(rank: int, world: int, root: str) -> Any:

@@ -88,23 +88,28 @@ def _exclusive(path: str) -> bool:
         os.close(fd)
 
 
-def _large_files(directory: str) -> list[tuple[str, int]]:
+def _files(directory: str, min_bytes: int = 0, recursive: bool = False) -> list[tuple[str, int]]:
+    """``(path, size)`` of the regular files of at least ``min_bytes`` under ``directory`` (links skipped)."""
     out = []
     try:
         with os.scandir(directory) as it:
             for entry in it:
                 try:
                     if entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                        if st.st_size >= MIN_RECYCLE_BYTES:
-                            out.append((entry.path, st.st_size))
-                    elif entry.is_dir(follow_symlinks=False):
-                        out.extend(_large_files(entry.path))
+                        size = entry.stat(follow_symlinks=False).st_size
+                        if size >= min_bytes:
+                            out.append((entry.path, size))
+                    elif recursive and entry.is_dir(follow_symlinks=False):
+                        out.extend(_files(entry.path, min_bytes, recursive))
                 except OSError:
                     continue
     except (FileNotFoundError, NotADirectoryError):
         pass
     return out
+
+
+def _large_files(directory: str) -> list[tuple[str, int]]:
+    return _files(directory, MIN_RECYCLE_BYTES, recursive=True)
 
 
 def _unlink(path: str) -> None:
@@ -132,18 +137,7 @@ def contents(store: Any) -> tuple[int, int]:
 
 
 def _bin_entries(directory: str) -> list[tuple[str, int]]:
-    out = []
-    try:
-        with os.scandir(directory) as it:
-            for entry in it:
-                try:
-                    if entry.is_file(follow_symlinks=False):
-                        out.append((entry.path, entry.stat(follow_symlinks=False).st_size))
-                except OSError:
-                    continue
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return out
+    return _files(directory)
 
 
 class Retirement:
