@@ -545,9 +545,11 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             parts = [[st[s - 1 + k] - med for s in r["saves"]] for k in range(3)]
             parts.append([sum(st[j] - med for j in range(s + 2, s - 1 + WINDOW)) for s in r["saves"]])
             r["stall_by_step_ms"] = [1e3 * sum(p) / len(p) for p in parts]
+        at = r["saves"]
         if not r["saves"]:  # the none runs, scored with the checkpoints' windows: the host's own noise
             at = [k * every for k in range(1, steps // every + 1) if k * every - 1 + WINDOW <= len(st)]
             r["placebo_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in at]
+        r["stall_paired_ms"] = [1e3 * x for x in paired_stalls(st, at, every, med)]
         in_window = set()
         for s in r["saves"]:
             in_window.update(range(s - 1, s - 1 + WINDOW))
@@ -565,6 +567,22 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
 
 
 LOCAL_BASE_STEPS = 20
+
+
+def paired_stalls(st: list[float], saves: list[int], every: int, med: float) -> list[float]:
+    """A diagnostic beside the issue's stall: each save's window minus a window of the same length
+    halfway to the next save, in the same run. Drift between runs and a host's own stalls (the
+    placebo) weigh on both alike and cancel on average; what the checkpoint costs after its window
+    (nothing, once its writing is done) would too, so it needs ``every >= 2 * WINDOW`` (else [])."""
+    if every < 2 * WINDOW:
+        return []
+    out = []
+    for s in saves:
+        mid = s + every // 2
+        if mid - 1 + WINDOW <= len(st):
+            out.append(sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW))
+                       - sum(st[j] - med for j in range(mid - 1, mid - 1 + WINDOW)))
+    return out
 
 
 def local_stall(st: list[float], save: int) -> float:
@@ -602,6 +620,9 @@ def summarise(res: dict) -> str:
             row["note"] = "skipped: " + r["skipped"]
             rows.append(row)
             continue
+        pair = r.get("stall_paired_ms") or []
+        if pair:
+            row["paired"] = C.fmt(sum(pair) / len(pair))
         p = r.get("placebo_ms") or []
         if p and not r.get("stall_ms"):
             row.update(stall=C.fmt(sum(p) / len(p)), smin=C.fmt(min(p)), smax=C.fmt(max(p)), first=C.fmt(p[0]),
@@ -651,7 +672,7 @@ def summarise(res: dict) -> str:
         persist_and_notes(r, row, 110)
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
-            ("clip", "stall+"), ("local", "local"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
+            ("clip", "stall+"), ("local", "local"), ("paired", "paired"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
             ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
             ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
             ("persist", "persist s"), ("target", "target"), ("note", "note")]
@@ -676,7 +697,8 @@ def summarise(res: dict) -> str:
     head += ("   stall = sum over save step + 20 steps of (step - median step of `none`), mean [min, max] over "
              "checkpoints, first included; on `none` rows the same windows of a run without checkpoints (placebo: what the host's\n"
              "   own noise adds to a stall); stall+ = same with negatives clipped; local = mean of the same windows against the median of\n"
-             "   the 20 steps before each save (blind to drift between runs; a diagnostic, not the verdict); save/+1/+2/rest = the stall's share on the save step,\n"
+             "   the 20 steps before each save (blind to drift between runs; a diagnostic, not the verdict); paired = each window minus the window\n"
+             "   halfway to the next save in the same run (drift and the host's own stalls cancel; a diagnostic); save/+1/+2/rest = the stall's share on the save step,\n"
              "   the next two steps and the 18 after (means); block = time inside the save call;\n"
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"

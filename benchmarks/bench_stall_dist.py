@@ -241,6 +241,9 @@ def summarise(res: dict) -> str:
             bs = stall_summary(base) if base else None
             if bs and bs["mean"] > 0:
                 out["xref"] = C.fmt(sm["mean"] / bs["mean"], ".2f")
+        pair = r.get("stall_paired_ms") or []
+        if pair:
+            out["paired"] = C.fmt(sum(pair) / len(pair))
         if "steady_mean_ratio" in r:
             out["steady"] = C.fmt(r["steady_mean_ratio"], ".3f")
         if "median_step_ms" in r:
@@ -256,7 +259,7 @@ def summarise(res: dict) -> str:
         if m in ref_runs:
             rows.append(row("1gpu", ref_runs[m], None))
     cols = [("rank", "rank"), ("method", "method"), ("stall", "stall ms mean [min, max]"), ("first", "first"),
-            ("local", "local"), ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
+            ("local", "local"), ("paired", "paired"), ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
             ("persist", "persist s"), ("xref", "x 1gpu"), ("note", "note")]
     i, w = res["info"], res["workload"]
     head = (f"\n== stall, {w['world_size']} ranks ({i['backend']}, FSDP2): {i['device']}, torch {i['torch']}, {i['date']}\n"
@@ -278,7 +281,9 @@ def summarise(res: dict) -> str:
                  f"S={rw['S']}, state {rw['state_bytes'] / 1e9:.3f} GB\n")
     head += ("   stall = sum over the save step + 20 steps of (step - median step of this rank's `none` runs), mean "
              "[min, max] over checkpoints, first included; local = the same windows against the median of the 20 steps\n"
-             "   before each save (blind to drift between runs; a diagnostic, not the verdict);\n"
+             "   before each save (blind to drift between runs; a diagnostic, not the verdict); paired = each window minus the window\n"
+             "   halfway to the next save in the same run (drift and the host's own stalls cancel; a diagnostic); on `none` rows the\n"
+             "   checkpoints' windows of a run without checkpoints (placebo);\n"
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
              "x 1gpu = mean stall / the single GPU's\n")
     return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
