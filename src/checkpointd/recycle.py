@@ -66,6 +66,11 @@ def bin_dir(store: Any) -> str:
     return os.path.join(store.path(""), BIN_NAME)
 
 
+def bin_for(store: Any) -> str | None:
+    """The bin a save on ``store`` may take retired files from; None where recycling does not apply."""
+    return bin_dir(store) if enabled(store) else None
+
+
 def _exclusive(path: str) -> bool:
     """True if no open file other than ours refers to ``path`` (a write lease is granted only then)."""
     if _F_SETLEASE is None:
@@ -151,15 +156,12 @@ class Retirement:
         self.dir = bin_dir(store)
         self.store = store
         self.budget = sum(n for _, n in _large_files(store.path(just_committed_dir)))
-        self.started = False
         self.recycled_bytes = 0
+        for path, _ in _bin_entries(self.dir):  # made only when a step is retired
+            _unlink(path)
 
     def retire(self, step_dir: str) -> None:
         """Move ``step_dir``'s large files into the bin (within budget); the caller deletes the rest."""
-        if not self.started:
-            self.started = True
-            for path, _ in _bin_entries(self.dir):
-                _unlink(path)
         for path, size in sorted(_large_files(self.store.path(step_dir)), key=lambda e: -e[1]):
             if self.recycled_bytes + size > self.budget:
                 continue
@@ -167,8 +169,6 @@ class Retirement:
             name = uuid.uuid4().hex
             checking = os.path.join(self.dir, name + _CHECKING)  # not taken under this name
             try:
-                if os.stat(path).st_nlink != 1:
-                    continue
                 os.rename(path, checking)
             except OSError:
                 continue
@@ -205,4 +205,5 @@ def take(directory: str, path: str, nbytes: int) -> bool:
     return False
 
 
-__all__ = ["BIN_NAME", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "bin_dir", "contents", "empty", "enabled", "take"]
+__all__ = ["BIN_NAME", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "bin_dir", "bin_for", "contents", "empty", "enabled",
+           "take"]

@@ -313,9 +313,8 @@ def _open_writer(fs: AbstractFileSystem, full: str, store: Store, expected_bytes
         return wrap(full, lambda: _open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
     if _is_local(fs):
         _local_makedirs(os.path.dirname(full), store)
-        if expected_bytes >= recycling.MIN_RECYCLE_BYTES and recycling.enabled(store):
-            return _DurableLocalFile(full, recycle_from=recycling.bin_dir(store), expected_bytes=expected_bytes)
-        return _DurableLocalFile(full)
+        return _DurableLocalFile(full, recycle_from=recycling.bin_for(store) if expected_bytes else None,
+                                 expected_bytes=expected_bytes)
     if _is_s3(fs):
         return _S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
     return _GuardedFile(fs, full)

@@ -379,7 +379,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fast, recycle_from=recycle.bin_dir(store) if recycle.enabled(store) else None)
+                                 fast=fast, recycle_from=recycle.bin_for(store))
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 
