@@ -85,13 +85,43 @@ def test_a_killed_process_loses_nothing(tmp_path: Path, caplog: pytest.LogCaptur
     assert "persist process is gone" in caplog.text
 
 
-def test_a_failed_request_is_written_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_training_process_makes_no_file_writes_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers and small members go to the process in one request per file, not one ``pwrite`` each
+    here (each would drop and retake the GIL a launch-bound training loop is waiting for)."""
+    state = _state()
+    state["extra"] = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(40)])  # many small members
+    calls: list[int] = []
+    real_pwrite = os.pwrite
+
+    def counting_pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(len(memoryview(data)))
+        return real_pwrite(fd, data, offset)
+
+    with CheckpointManager(tmp_path, state, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        process = persist_process.client()
+        assert process is not None and process.alive
+        monkeypatch.setattr(os, "pwrite", counting_pwrite)
+        mgr.save(2)
+        mgr.wait()
+        monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert calls == []
+    _check_step(tmp_path, 2, state)
+    restored = load(tmp_path, step=2)
+    for k, v in state["extra"].state_dict().items():
+        assert torch.equal(restored["extra"][k], v), k
+
+
+@pytest.mark.parametrize("refused", ["submit_write", "submit_scatter"])
+def test_a_failed_request_is_written_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                          refused: str) -> None:
     def refuse(self: Any, *args: Any, **kwargs: Any) -> Future[Any]:
         failed: Future[Any] = Future()
         failed.set_exception(persist_process.PersistProcessError("persist process: refused for the test"))
         return failed
 
-    monkeypatch.setattr(persist_process.PersistProcess, "submit_write", refuse)
+    monkeypatch.setattr(persist_process.PersistProcess, refused, refuse)
     state = _state()
     with CheckpointManager(tmp_path, state, compression=None) as mgr:
         mgr.save(4)
@@ -129,6 +159,28 @@ def test_write_errors_come_back_with_their_errno(tmp_path: Path) -> None:
         assert process.alive
     finally:
         slab.release()
+
+
+def test_scattered_pieces_land_and_their_errors_come_back(tmp_path: Path) -> None:
+    process = persist_process.client()
+    assert process is not None
+    path = tmp_path / "scatter.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 100)
+        assert process.submit_scatter(fd, [(0, b"head"), (50, b"middle"), (96, b"tail")]).result(timeout=30) is None
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data[:4] == b"head" and data[50:56] == b"middle" and data[96:] == b"tail" and data[4:50] == bytes(46)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            process.submit_scatter(fd, [(0, b"x")]).result(timeout=30)
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    assert process.alive
 
 
 def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
@@ -241,3 +293,23 @@ def test_a_process_that_cannot_run_is_not_restarted(tmp_path: Path, monkeypatch:
         persist_process._client = None
         monkeypatch.undo()
         assert persist_process.client() is not None  # the real one starts again for later tests
+
+
+def test_thread_count_comes_from_the_environment_or_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(persist_process.PERSIST_THREADS_ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert persist_process._threads(32) == 16  # the host's I/O threads shared by its ranks
+    assert persist_process._threads(6) == 4  # never fewer than 4 by default
+    monkeypatch.setenv(persist_process.PERSIST_THREADS_ENV, "2")
+    assert persist_process._threads(32) == 2
+    persist_process.shutdown()
+    try:
+        process = persist_process.client()
+        assert process is not None and process.threads == 2
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            assert process.submit_scatter(fd, [(0, b"x")]).result(timeout=30) is None  # it serves requests
+        finally:
+            os.close(fd)
+    finally:
+        persist_process.shutdown()  # the next test starts one with the default count

@@ -168,9 +168,12 @@ def write_root(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 
 @pytest.mark.parametrize("persist", ["gentle", "fast"])
 def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: pytest.MonkeyPatch, persist: str) -> None:
-    """fast: every I/O thread on each file where the file is mapped (tmpfs); positional writes keep 4."""
-    from checkpointd import fsinfo, ptlayout
+    """fast: every I/O thread on each file where the file is mapped (tmpfs); positional writes keep 4.
 
+    The in-process writers (no persist process: with one, every file's bytes go through it)."""
+    from checkpointd import fsinfo, ptlayout, sharedmem
+
+    monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
     monkeypatch.delenv("CHECKPOINTD_WRITE_MODE", raising=False)
     monkeypatch.setenv(ptlayout.FAST_PERSIST_ENV, persist)
     monkeypatch.setenv("CHECKPOINTD_IO_THREADS", "6")

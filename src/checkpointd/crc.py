@@ -99,11 +99,17 @@ def _bad_len(len2: int) -> int:
 
 
 def _load_libz() -> object | None:
+    """zlib's ``crc32_combine64`` through ctypes, called with the GIL held (``PyDLL``).
+
+    Why held: a combine takes well under a microsecond, and a ``CDLL`` call drops and retakes the GIL.
+    A save combines about a thousand CRCs per file on the writer's threads; with a training thread that
+    wants the GIL all the time (a launch-bound loop), every retake is a forced switch away from it.
+    """
     for name in (ctypes.util.find_library("z"), "libz.so.1", "libz.dylib"):
         if not name:
             continue
         try:
-            lib = ctypes.CDLL(name)
+            lib = ctypes.PyDLL(name)
             fn = lib.crc32_combine64
         except (OSError, AttributeError):
             continue

@@ -8,7 +8,7 @@ verification needs nothing but the manifest.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from .errors import ManifestError
@@ -64,8 +64,18 @@ class Manifest:
     """Mode-specific details (sharding layout, RNG location)."""
 
     def to_json(self) -> bytes:
-        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **asdict(self)}
-        return json.dumps(doc, indent=1, sort_keys=False, default=_json_default).encode()
+        """Compact JSON, built without copying: the committer thread runs this while training steps run.
+
+        Why not ``json.dumps(asdict(self), indent=1)``: ``asdict`` deep-copies every value and an
+        indent selects json's pure-Python encoder. A sharded manifest (two ranks, 240 tensors each:
+        140 kB) took 28 ms that way on a 2-core VM, holding the GIL that a CPU-bound training loop
+        needs; shallow dictionaries and the C encoder take about 1 ms.
+        """
+        doc: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        doc.update((f.name, getattr(self, f.name)) for f in fields(self))
+        doc["files"] = [_shallow(e) for e in self.files]
+        doc["entries"] = {k: _shallow(v) for k, v in self.entries.items()}
+        return json.dumps(doc, default=_json_default, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str = "manifest") -> "Manifest":
@@ -104,7 +114,13 @@ class Manifest:
         raise ManifestError(f"manifest of step {self.step} lists no file {path!r}")
 
 
+def _shallow(entry: Any) -> dict[str, Any]:
+    return {f.name: getattr(entry, f.name) for f in fields(entry)}
+
+
 def _json_default(o: Any) -> Any:
+    if is_dataclass(o) and not isinstance(o, type):
+        return asdict(o)
     try:
         import numbers
 

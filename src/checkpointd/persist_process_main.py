@@ -17,7 +17,10 @@ as ``SCM_RIGHTS``). Requests:
   ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS), ``lanes`` tasks at a time, computing
   each range's CRC-32 slice by slice just before the slice is put; with ``writeback``, the disk is
   started on each range once it is in (``sync_file_range``, see ``checkpointd.fsinfo.early_writeback``). Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
-  errno, text)`` or ``("error", request_id, text)``.
+  errno, text)`` or ``("error", request_id, text)``;
+- ``("scatter", request_id, pieces)`` + the open file: ``pwrite`` each ``(file_offset, bytes)`` of
+  ``pieces`` (a file's zip headers and small members, a few hundred per file); replies as ``write``,
+  with ``None`` for the CRCs (the requester computed them).
 
 The process exits when the socket closes (its parent exited or closed it) or on ``("exit",)``.
 """
@@ -139,22 +142,31 @@ class Server:
                     os.close(fds[0])
             elif kind == "unmap":
                 self.slabs.pop(message[1], None)  # unmapped when the last task using it lets go
-            elif kind == "write":
-                thread = threading.Thread(target=self.write, args=(message, fds[0]), daemon=True)
+            elif kind in ("write", "scatter"):
+                target = self.write if kind == "write" else self.scatter
+                thread = threading.Thread(target=target, args=(message, fds[0]), daemon=True)
                 self.writes.add(thread)
                 thread.start()
 
     def write(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, lanes, tasks = message[:6]
         writeback = bool(message[6]) if len(message) > 6 else False
+        self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback))
+
+    def scatter(self, message: tuple, fd: int) -> None:
+        _kind, request_id, pieces = message[:3]
+        self._answer(request_id, fd, lambda: _scatter(fd, pieces))
+
+    def _answer(self, request_id: int, fd: int, work: Callable[[], Any]) -> None:
+        """Run one request on this thread and reply with its result or its failure; ``fd`` is closed after."""
         try:
-            crcs = self._write(fd, end, mode, lanes, tasks, writeback)
+            result = work()
         except OSError as exc:
             self.reply(("oserror", request_id, exc.errno or 0, str(exc)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the requester
             self.reply(("error", request_id, f"{type(exc).__name__}: {exc}"))
         else:
-            self.reply(("ok", request_id, crcs))
+            self.reply(("ok", request_id, result))
         finally:
             os.close(fd)
             self.writes.discard(threading.current_thread())
@@ -207,6 +219,16 @@ class Server:
                     written(offset, length)
             return crcs
         return run
+
+
+def _scatter(fd: int, pieces: list) -> None:
+    for offset, data in pieces:
+        view = memoryview(data)
+        while view.nbytes:
+            done = os.pwrite(fd, view, offset)
+            if done <= 0:
+                raise OSError(f"pwrite wrote {done} bytes")
+            view, offset = view[done:], offset + done
 
 
 def lower_priority(nice: int) -> str:

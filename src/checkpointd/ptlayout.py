@@ -569,7 +569,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task], written)
 
-    remote = shared.submit(fd, img.end, mode, written is not None) if shared.process is not None else None
+    remote = shared.submit(fd, img.end, mode, written is not None) if shared.tasks else None
     try:
         # Every thread on one file only into a mapping: positional writes to one file serialise on its
         # inode lock, and 16 threads wrote one tmpfs file slower than 4 (see write_lanes).
@@ -594,8 +594,11 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         if p.length == 0:
             p.crc = 0
     generated = img.finalize()
-    for p in generated:
-        _pwrite_all(fd, p.data, p.offset)
+    if shared.process is not None:
+        shared.scatter(fd, generated)
+    else:
+        for p in generated:
+            _pwrite_all(fd, p.data, p.offset)
     crc = 0
     for p in img.pieces():
         crc = crc32_combine(crc, p.crc, p.length)  # type: ignore[arg-type]
@@ -612,11 +615,13 @@ def persist_mode(fd: int, mode: str | None = None) -> tuple[str, int]:
 
 
 class _SharedPieces:
-    """Splits a file's staged pieces: those in shared staging memory go to the persist process.
+    """Splits a file's pieces between the persist process and this process.
 
-    ``tasks`` (those pieces, in write tasks) are written by the process; ``local`` (the pickle, small
-    members, anything not staged in a shared slab) by this process's threads. Without a persist
-    process every piece is local.
+    ``tasks``: pieces staged in shared memory, in write tasks, written by the process from the slabs.
+    ``small``: other pieces under :data:`LARGE_RECORD_BYTES` (the pickle, small members), checksummed
+    here and sent with the generated headers in one :meth:`scatter` request at the end. ``local``: the
+    rest (large and not staged), written by this process's threads. Without a persist process every
+    piece is local.
     """
 
     def __init__(self, pieces: list[Piece], chunk_bytes: int) -> None:
@@ -624,6 +629,8 @@ class _SharedPieces:
 
         self.process = None
         self.tasks: list[list[tuple[Piece, int, int]]] = []
+        self.small: list[Piece] = []
+        """Small known pieces (with a process): CRC'd here at once, written with the headers by :meth:`scatter`."""
         self.slabs: dict[int, Any] = {}
         where: dict[int, tuple[Any, int]] = {}
         if sharedmem.supported():
@@ -632,13 +639,17 @@ class _SharedPieces:
                 if found is not None:
                     where[id(p)] = found
                     self.slabs[found[0].id] = found[0]
-        if where:
-            self.process = persist_process.client()
+        if where or (pieces and sharedmem.supported() and all(p.length < LARGE_RECORD_BYTES for p in pieces)):
+            self.process = persist_process.client()  # also a small file with nothing staged: its headers
         if self.process is None:
             self.local = plan_tasks(pieces, chunk_bytes)
             return
         self.tasks = plan_tasks([p for p in pieces if id(p) in where], chunk_bytes)
-        self.local = plan_tasks([p for p in pieces if id(p) not in where], chunk_bytes)
+        rest = [p for p in pieces if id(p) not in where]
+        self.small = [p for p in rest if 0 < p.length < LARGE_RECORD_BYTES]
+        for p in self.small:
+            p.crc = crc32(p.data)
+        self.local = plan_tasks([p for p in rest if p.length >= LARGE_RECORD_BYTES], chunk_bytes)
         self.ranges = [[(p.offset + a, where[id(p)][0].id, where[id(p)][1] + a, b - a) for p, a, b in task]
                        for task in self.tasks]
 
@@ -655,6 +666,26 @@ class _SharedPieces:
             failed: Future[Any] = Future()
             failed.set_exception(exc)
             return failed
+
+    def scatter(self, fd: int, generated: list[Piece]) -> None:
+        """Write the small pieces and the ``generated`` ones (headers, trailer) through the process in
+        one request, adjacent pieces joined; here with ``pwrite`` if the process could not."""
+        from . import persist_process
+
+        runs: list[tuple[int, bytearray]] = []
+        for p in sorted((p for p in [*self.small, *generated] if p.length), key=lambda p: p.offset):
+            if runs and runs[-1][0] + len(runs[-1][1]) == p.offset:
+                runs[-1][1].extend(p.data)
+            else:
+                runs.append((p.offset, bytearray(p.data)))
+        try:
+            assert self.process is not None
+            self.process.submit_scatter(fd, [(offset, bytes(data)) for offset, data in runs]).result()
+            return
+        except persist_process.PersistProcessError as exc:
+            logger.warning("checkpointd: %s; writing those bytes from this process", exc)
+        for offset, data in runs:
+            _pwrite_all(fd, data, offset)
 
     def finish(self, future: Any, run_here: Callable[[list[list[tuple[Piece, int, int]]]], list[Any]]) -> dict[int, Any]:
         """The tasks' CRCs by ``id(task)``; written by ``run_here`` if the process could not."""
