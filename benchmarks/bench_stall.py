@@ -19,6 +19,10 @@ checkpoint exceeds it.
 (``ckd pin GB``) stays at the budget and the stall is the price, about (state - budget) / write bandwidth
 minus one forward/backward; ``stats()`` reports the hooks' wait as ``staging_hook_wait_secs``.
 
+A method may carry environment settings for its run: ``METHOD@NAME=VALUE[+NAME=VALUE...]``, e.g.
+``io_only_reuse@CHECKPOINTD_PERSIST_THREADS=2``. They are set before the method's setup and put back
+after it; the persist process is restarted on both sides, so settings it reads at start apply.
+
 Run:  python benchmarks/bench_stall.py [--state-gb 5] [--methods none,checkpointd,...] [--json out.json]
       python benchmarks/bench_stall.py --cpu --tiny          (CPU smoke test, tiny sizes)
 """
@@ -376,6 +380,39 @@ SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkp
 # ----------------------------------------------------------------------------------------------------
 
 
+def split_method(method: str) -> tuple[str, dict[str, str]]:
+    """``"io_only@A=1+B=2"`` -> ``("io_only", {"A": "1", "B": "2"})``: the saver and its run's environment."""
+    name, _, spec = method.partition("@")
+    env: dict[str, str] = {}
+    for item in filter(None, spec.split("+")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"method {method!r}: expected NAME=VALUE after '@', got {item!r}")
+        env[key] = value
+    return name, env
+
+
+@contextlib.contextmanager
+def method_env(env: dict[str, str]):
+    """The method's environment settings for its run, with a fresh persist process on both sides."""
+    if not env:
+        yield
+        return
+    from checkpointd import persist_process  # noqa: PLC0415
+    before = {k: os.environ.get(k) for k in env}
+    persist_process.shutdown()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        persist_process.shutdown()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Bench:
     def __init__(self, args, dev: C.Dev | None = None):
         self.args = args
@@ -449,12 +486,19 @@ class Bench:
 
     # --- one method ---------------------------------------------------------------------------------
     def run(self, method: str) -> dict:
+        name, env = split_method(method)
+        with method_env(env):
+            res = self._run(SAVERS[name](self), method)
+        if env:
+            res["env"] = env
+        return res
+
+    def _run(self, saver: Saver, method: str) -> dict:
         args = self.args
         C.clean_dir(self.dir)
         C.collect()
         if self.dev.cuda and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
-        saver = SAVERS[method](self)
         if self.dev.cuda and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
             try:  # pin GB is then this method's peak
                 torch.cuda.reset_peak_host_memory_stats()
@@ -474,7 +518,7 @@ class Bench:
         block_t: list[float] = []
         mem_first = None
         stats_first = None
-        saves = [s for s in range(1, self.steps + 1) if s % self.every == 0][: args.ckpts] if method != "none" else []
+        saves = [s for s in range(1, self.steps + 1) if s % self.every == 0][: args.ckpts] if saver.name != "none" else []
         save_set = set(saves)
         try:
             self.dev.sync()
@@ -616,6 +660,7 @@ def summarise(res: dict) -> str:
     rows = []
     for r in runs:
         row: dict[str, Any] = {"method": r["method"]}
+        base = r["method"].split("#")[0].split("@")[0]
         if "skipped" in r:
             row["note"] = "skipped: " + r["skipped"]
             rows.append(row)
@@ -639,15 +684,15 @@ def summarise(res: dict) -> str:
             row.update(block=C.fmt(1e3 * sum(b) / len(b), ".1f"), bfirst=C.fmt(1e3 * b[0], ".1f"))
             if r.get("stall_by_step_ms"):
                 row["where"] = "/".join(f"{x:.0f}" for x in r["stall_by_step_ms"])
-            if r["method"].startswith("checkpointd"):
-                tgt = fl.get("target_device_ms") if r["method"] == "checkpointd_device" else fl.get("target_pinned_ms")
-                if r["method"].startswith("checkpointd_host"):
+            if base.startswith("checkpointd"):
+                tgt = fl.get("target_device_ms") if base == "checkpointd_device" else fl.get("target_pinned_ms")
+                if base.startswith("checkpointd_host"):
                     tgt = None  # a host budget trades stall for memory: ~(state - budget) / write bandwidth
                 verdict = []
                 if tgt is not None:  # issue 6: the mean over the checkpoints, and the first one too
                     verdict.append(f"{'ok' if mean <= tgt and s[0] <= tgt else 'MISS'} <= {tgt:.0f}ms"
                                    f"{'' if max(s) <= tgt else f' (max {max(s):.0f})'}")
-                if dcp_stall and dcp_stall > 0 and mean > 0 and r["method"] not in ("checkpointd_device", "checkpointd_host25"):
+                if dcp_stall and dcp_stall > 0 and mean > 0 and base not in ("checkpointd_device", "checkpointd_host25"):
                     verdict.append(f"{dcp_stall / max(mean, 1e-9):.0f}x vs dcp")
                 row["target"] = ", ".join(verdict)
         if "median_step_ms" in r:
@@ -766,8 +811,12 @@ def resolve_args(p: argparse.ArgumentParser, a: argparse.Namespace, savers: dict
         p.error(f"--steps must be >= ckpts*every + {WINDOW - 1}")
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in a.methods:
-        if m not in savers:
-            p.error(f"unknown method {m!r}; choose from {list(savers)}")
+        try:
+            name, _ = split_method(m)
+        except ValueError as e:
+            p.error(str(e))
+        if name not in savers:
+            p.error(f"unknown method {name!r}; choose from {list(savers)}")
     return a
 
 

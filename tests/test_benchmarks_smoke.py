@@ -31,9 +31,12 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
 @pytest.mark.timeout(300)
 def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
-    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", "none,checkpointd,torch_save,io_only,none",
+    with_env = "checkpointd@CHECKPOINTD_PERSIST_THREADS=1+CHECKPOINTD_PLAN_WAIT_SECS=0"
+    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,io_only,{with_env},none",
                 "--dir", str(tmp_path / "ckd"), "--json", str(out))
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs[with_env]["env"] == {"CHECKPOINTD_PERSIST_THREADS": "1", "CHECKPOINTD_PLAN_WAIT_SECS": "0"}
+    assert "error" not in runs[with_env] and len(runs[with_env]["stall_ms"]) >= 3
     ckd = runs["checkpointd"]
     assert "error" not in ckd, ckd.get("error")
     assert len(ckd["stall_ms"]) >= 3 and len(ckd["stall_by_step_ms"]) == 4
@@ -118,3 +121,17 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
             assert "error" not in ckd, ckd.get("error")
             assert ckd["stats"]["saves_committed"] == 3
     assert "stall ms mean [min, max]" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_diagnose_thread_cpu_smoke(tmp_path: Path) -> None:
+    """diagnose_thread_cpu.py in one process: per save, the library's threads' CPU time and switches."""
+    out = tmp_path / "threads.json"
+    _run("diagnose_thread_cpu.py", "--cpu", "--tiny", "--saves", "2", "--every", "3", "--dir", str(tmp_path / "ckd"),
+         "--json", str(out), timeout=100)
+    saves = json.loads(out.read_text())["saves"]
+    assert [s["save"] for s in saves] == [1, 2]
+    for s in saves:
+        assert s["cpu_ms"]["MainThread"] > 0 and "checkpointd-committer" in s["cpu_ms"]
+        assert s["switches"]["checkpointd-committer"] > 0
+    assert not (tmp_path / "ckd").exists()  # the checkpoints it made are removed
