@@ -187,12 +187,7 @@ class Server:
                     ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
             else:
                 def put(slab: _Slab, start: int, n: int, offset: int) -> None:
-                    view = slab.view[start:start + n]
-                    while n:
-                        done = os.pwrite(fd, view, offset)
-                        if done <= 0:
-                            raise OSError(f"pwrite wrote {done} bytes")
-                        view, n, offset = view[done:], n - done, offset + done
+                    _pwrite_all(fd, slab.view[start:start + n], offset)
 
             written = self.writeback_starter(fd) if writeback else None
             return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
@@ -221,14 +216,18 @@ class Server:
         return run
 
 
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(f"pwrite wrote {done} bytes")
+        view, offset = view[done:], offset + done
+
+
 def _scatter(fd: int, pieces: list) -> None:
     for offset, data in pieces:
-        view = memoryview(data)
-        while view.nbytes:
-            done = os.pwrite(fd, view, offset)
-            if done <= 0:
-                raise OSError(f"pwrite wrote {done} bytes")
-            view, offset = view[done:], offset + done
+        _pwrite_all(fd, data, offset)
 
 
 def lower_priority(nice: int) -> str:

@@ -633,14 +633,16 @@ class _SharedPieces:
         """Small known pieces (with a process): CRC'd here at once, written with the headers by :meth:`scatter`."""
         self.slabs: dict[int, Any] = {}
         where: dict[int, tuple[Any, int]] = {}
-        if sharedmem.supported():
+        shared = sharedmem.supported()
+        if shared:
             for p in pieces:
                 found = sharedmem.locate(p.data) if p.length >= LARGE_RECORD_BYTES else None
                 if found is not None:
                     where[id(p)] = found
                     self.slabs[found[0].id] = found[0]
-        if where or (pieces and sharedmem.supported() and all(p.length < LARGE_RECORD_BYTES for p in pieces)):
-            self.process = persist_process.client()  # also a small file with nothing staged: its headers
+        all_small = bool(pieces) and all(p.length < LARGE_RECORD_BYTES for p in pieces)
+        if where or (shared and all_small):  # a small file with nothing staged: its headers go there too
+            self.process = persist_process.client()
         if self.process is None:
             self.local = plan_tasks(pieces, chunk_bytes)
             return
