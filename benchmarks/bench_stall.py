@@ -48,9 +48,9 @@ WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
-               "io_only_reuse"]
+               "io_only_reuse", "copy_only"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
-                   "dcp_async_pinned", "dcp_async", "torch_save", "none"]
+                   "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,11 +259,25 @@ class CheckpointdThreads(Checkpointd):
             self._env.close()
 
 
+def hold_frozen_heap() -> contextlib.ExitStack:
+    """Freeze the heap for a floor method's run, as a manager does for its lifetime (``gcfreeze``).
+
+    Why: on the two-GPU loop a full garbage collection of the unfrozen heap costs one step 18-47 ms
+    about once a minute; without this the floors (``io_only*``, ``copy_only``) count such a pause that
+    ``checkpointd``'s runs do not have, and are no floor. Undone by closing the returned stack."""
+    from checkpointd import gcfreeze  # noqa: PLC0415
+    stack = contextlib.ExitStack()
+    gcfreeze.acquire()
+    stack.callback(gcfreeze.release)
+    return stack
+
+
 class IoOnly(Saver):
     """The persist phase alone: checkpointd's persist process writes this process's state bytes (model
     third and optimizer two thirds, two files as a save has) from a shared slab filled once at setup,
     with no snapshot, pickling, manifest or commit. Its stall is what the file writing itself costs the
-    training steps that run meanwhile (host memory traffic, caches, cores), a floor for ``checkpointd``."""
+    training steps that run meanwhile (host memory traffic, caches, cores), a floor for ``checkpointd``
+    (run with the heap frozen as under a manager, :func:`hold_frozen_heap`)."""
 
     name = "io_only"
 
@@ -283,6 +297,7 @@ class IoOnly(Saver):
         self.old: list[str] = []
         self.tidying = threading.Thread(target=lambda: None)
         self.tidying.start()
+        self.gc = hold_frozen_heap()  # last: finish() undoes it
 
     def _drain(self):
         if not self.pending:
@@ -338,6 +353,7 @@ class IoOnly(Saver):
                 os.remove(path)
         finally:
             self.slab.release()
+            self.gc.close()
 
 
 class SkipMethod(Exception):
@@ -373,8 +389,63 @@ class IoOnlyReuse(IoOnly):
                     os.remove(path)
 
 
+class CopyOnly(Saver):
+    """The device-to-host copy alone: this process's state (FSDP2: its local shards) copied into a
+    page-locked buffer on a side stream, as checkpointd's pinned mode does it: ordered after the save
+    point, queued at the next forward (the loop synchronises the device after every step), and waited
+    for by the compute stream before the next optimizer step. Nothing is pickled, written or committed.
+    Its stall is what the copy itself costs the steps (copy engines, PCIe, host memory, the wait), a
+    floor for ``checkpointd`` beside ``io_only``'s writing. Both run with the heap frozen as under a
+    manager (:func:`hold_frozen_heap`)."""
+
+    name = "copy_only"
+
+    def setup(self):
+        if not self.b.dev.cuda:
+            raise SkipMethod("the device-to-host copy needs CUDA")
+        from checkpointd.snapshot import StagingArena, tensor_spec  # noqa: PLC0415
+        self.src = [t.to_local() if hasattr(t, "to_local") else t for t in C.state_tensors(self.b.model, self.b.opt)]
+        self.src = [t for t in self.src if t.is_cuda]
+        self.arena = StagingArena([tensor_spec(t) for t in self.src], pin=True, shared=False)
+        if not self.arena.pinned:
+            raise SkipMethod("could not page-lock the copy's buffer")
+        self.stream = torch.cuda.Stream()
+        self.save_point: Any = None
+        self.done: Any = None
+        self.hook = self.b.model.register_forward_pre_hook(lambda _m, _a: self._queue())
+        self.gc = hold_frozen_heap()  # last: finish() undoes it
+
+    def save(self, step):
+        self.save_point = torch.cuda.Event()
+        self.save_point.record()
+
+    def _queue(self):
+        if self.save_point is None:
+            return
+        self.stream.wait_event(self.save_point)
+        self.save_point = None
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            for src, dst in zip(self.src, self.arena.buffers):
+                dst.copy_(src, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record(self.stream)
+
+    def before_opt_step(self):
+        self._queue()
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+            self.done = None
+
+    def finish(self):
+        self.hook.remove()
+        self.before_opt_step()
+        self.stream.synchronize()
+        self.arena.release()
+        self.gc.close()
+
+
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
-                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse]}
+                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly]}
 
 
 # ----------------------------------------------------------------------------------------------------

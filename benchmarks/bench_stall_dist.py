@@ -76,7 +76,7 @@ import bench_stall as S  # noqa: E402
 import common as C  # noqa: E402
 
 WINDOW = S.WINDOW
-DEFAULT_METHODS = ["none", "checkpointd", "dcp_async", "none"]
+DEFAULT_METHODS = ["none", "checkpointd", "copy_only", "io_only_reuse", "dcp_async", "none"]
 
 
 class Ctx:
@@ -169,7 +169,7 @@ class DistDcpAsyncPinned(DistDcpAsync):
 
 DIST_SAVERS = {c.name: c for c in [S.Saver, DistCheckpointd, DistCheckpointdZstd, DistCheckpointdDevice,
                                    DistCheckpointdThreads, DistDcpAsync, DistDcpAsyncPinned, S.IoOnly,
-                                   S.IoOnlyReuse]}
+                                   S.IoOnlyReuse, S.CopyOnly]}
 # bench_stall.Bench.run looks its saver up in bench_stall.SAVERS: in this process, these replace them.
 S.SAVERS.clear()
 S.SAVERS.update(DIST_SAVERS)
