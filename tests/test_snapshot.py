@@ -139,3 +139,22 @@ def test_buffers_prepared_ahead_are_pickled_there_so_the_first_save_hits_the_cac
         assert torch.equal(restored["model"][k], v), k
     for k, v in opt.state_dict()["state"][0].items():
         assert torch.equal(restored["optimizer"]["state"][0][k], v), k
+
+
+def test_copy_events_that_host_threads_wait_for_sleep_instead_of_spinning(monkeypatch):
+    """The events of the device-to-host copies (which the writer's thread waits for) are made with
+    blocking synchronisation; ``CHECKPOINTD_SPIN_WAIT=1`` restores CUDA's default spin."""
+    from checkpointd import chunkstream
+
+    made = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            made.append(blocking)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.delenv(chunkstream.SPIN_WAIT_ENV, raising=False)
+    chunkstream.host_waited_event()
+    monkeypatch.setenv(chunkstream.SPIN_WAIT_ENV, "1")
+    chunkstream.host_waited_event()
+    assert made == [True, False]

@@ -31,6 +31,7 @@ starts afresh.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,22 @@ import torch
 from .streams import byte_view as memoryview_of
 
 logger = logging.getLogger("checkpointd")
+
+SPIN_WAIT_ENV = "CHECKPOINTD_SPIN_WAIT"
+
+
+def host_waited_event() -> Any:
+    """A CUDA event for a copy that a host thread may wait for, made with blocking synchronisation.
+
+    Why: ``Event.synchronize`` on a default event spins a core until the GPU reaches it, and the
+    writer's thread waits that way for every snapshot's device-to-host copy, for as long as the copy
+    runs (8 ms at 0.45 GB, 44-88 ms at 2.4-4.8 GB). On an H200 host the committer thread used 10.6-11.7
+    ms of CPU per 0.45 GB save, against ~3 ms on a CPU-only machine doing the same work, while the
+    training thread of a launch-bound loop was issuing kernels beside it. A blocking event puts the
+    waiter to sleep until the GPU signals it (tens of microseconds later than a spin, which a
+    background writer does not notice). ``CHECKPOINTD_SPIN_WAIT=1`` keeps spinning (for comparisons).
+    """
+    return torch.cuda.Event(blocking=os.environ.get(SPIN_WAIT_ENV, "0") != "1")
 
 MIN_CHUNK_BYTES = 1 << 20
 """Smallest chunk: below this, per-copy and per-write overheads dominate."""
@@ -182,7 +199,7 @@ class CudaCopier(CpuCopier):
             for p in parts:
                 src = self._view(p.src, sources)  # non-dense sources: a contiguous copy on this stream
                 buf[p.chunk_offset:p.chunk_offset + p.length].copy_(src[p.start:p.start + p.length], non_blocking=True)
-            event = torch.cuda.Event()
+            event = host_waited_event()
             event.record(self.stream)
         return event
 
@@ -531,5 +548,5 @@ class FileRecords:
         return results
 
 
-__all__ = ["ChunkRing", "ChunkStream", "ChunkStreamAborted", "CpuCopier", "CudaCopier", "FileRecords",
-           "byte_view", "plan_chunks", "ring_geometry"]
+__all__ = ["SPIN_WAIT_ENV", "ChunkRing", "ChunkStream", "ChunkStreamAborted", "CpuCopier", "CudaCopier", "FileRecords",
+           "byte_view", "host_waited_event", "plan_chunks", "ring_geometry"]

@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import sharedmem
-from .chunkstream import ChunkStream
+from .chunkstream import ChunkStream, host_waited_event
 
 logger = logging.getLogger("checkpointd")
 
@@ -265,7 +265,7 @@ class PendingCopies:
 
     @staticmethod
     def _record(stream: Any) -> Any:
-        event = torch.cuda.Event()
+        event = host_waited_event()  # the writer's thread waits for it: sleeping, not spinning
         event.record(stream)
         return event
 
