@@ -51,11 +51,12 @@ def host_waited_event() -> Any:
 
     Why: ``Event.synchronize`` on a default event spins a core until the GPU reaches it, and the
     writer's thread waits that way for every snapshot's device-to-host copy, for as long as the copy
-    runs (8 ms at 0.45 GB, 44-88 ms at 2.4-4.8 GB). On an H200 host the committer thread used 10.6-11.7
-    ms of CPU per 0.45 GB save, against ~3 ms on a CPU-only machine doing the same work, while the
-    training thread of a launch-bound loop was issuing kernels beside it. A blocking event puts the
-    waiter to sleep until the GPU signals it (tens of microseconds later than a spin, which a
-    background writer does not notice). ``CHECKPOINTD_SPIN_WAIT=1`` keeps spinning (for comparisons).
+    runs (8 ms at 0.45 GB, 44-88 ms at 2.4-4.8 GB). On an H200 host the committer thread used 10.7-12.6
+    ms of CPU per 0.45 GB save, 4.1-6.6 with blocking events (session 12), while the training thread
+    of a launch-bound loop was issuing kernels beside it. A blocking event puts the waiter to sleep
+    until the GPU signals it, at the price of a wake-up. Under a host budget the training thread's
+    hooks wait on these events too (``tests/gpu/test_host_budget_cuda.py`` ran with them).
+    ``CHECKPOINTD_SPIN_WAIT=1`` keeps spinning (for comparisons).
     """
     return torch.cuda.Event(blocking=os.environ.get(SPIN_WAIT_ENV, "0") != "1")
 
