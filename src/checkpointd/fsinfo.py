@@ -142,5 +142,18 @@ def _sync_file_range() -> Any:
     return fn
 
 
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Here, in a standard-library module, because both the training process's writers
+    (:mod:`checkpointd.ptlayout`) and the persist process (which loads this module by path) use it."""
+    view = memoryview(data)
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(f"pwrite wrote {done} bytes")
+        view, offset = view[done:], offset + done
+
+
 __all__ = ["EARLY_WRITEBACK_ENV", "early_writeback", "fd_filesystem_type", "filesystem_type", "is_memory_backed",
-           "start_writeback", "writeback_starter"]
+           "pwrite_all", "start_writeback", "writeback_starter"]

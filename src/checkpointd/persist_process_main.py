@@ -110,7 +110,9 @@ class Server:
         self.writes: set[threading.Thread] = set()
         self.crc32 = _load_sibling("crc").crc32
         self.run_in_lanes = _load_sibling("lanes").run_in_lanes
-        self.writeback_starter = _load_sibling("fsinfo").writeback_starter
+        fsinfo = _load_sibling("fsinfo")
+        self.writeback_starter = fsinfo.writeback_starter
+        self.pwrite_all = fsinfo.pwrite_all
 
     def reply(self, message: tuple) -> None:
         try:
@@ -155,7 +157,11 @@ class Server:
 
     def scatter(self, message: tuple, fd: int) -> None:
         _kind, request_id, pieces = message[:3]
-        self._answer(request_id, fd, lambda: _scatter(fd, pieces))
+        self._answer(request_id, fd, lambda: self._scatter(fd, pieces))
+
+    def _scatter(self, fd: int, pieces: list) -> None:
+        for offset, data in pieces:
+            self.pwrite_all(fd, data, offset)
 
     def _answer(self, request_id: int, fd: int, work: Callable[[], Any]) -> None:
         """Run one request on this thread and reply with its result or its failure; ``fd`` is closed after."""
@@ -187,7 +193,7 @@ class Server:
                     ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
             else:
                 def put(slab: _Slab, start: int, n: int, offset: int) -> None:
-                    _pwrite_all(fd, slab.view[start:start + n], offset)
+                    self.pwrite_all(fd, slab.view[start:start + n], offset)
 
             written = self.writeback_starter(fd) if writeback else None
             return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
@@ -214,20 +220,6 @@ class Server:
                     written(offset, length)
             return crcs
         return run
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        done = os.pwrite(fd, view, offset)
-        if done <= 0:
-            raise OSError(f"pwrite wrote {done} bytes")
-        view, offset = view[done:], offset + done
-
-
-def _scatter(fd: int, pieces: list) -> None:
-    for offset, data in pieces:
-        _pwrite_all(fd, data, offset)
 
 
 def lower_priority(nice: int) -> str:

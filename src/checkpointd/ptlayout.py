@@ -450,16 +450,6 @@ class WriteResult:
     raw_nbytes: int
 
 
-def _pwrite_all(fd: int, view: Any, offset: int) -> None:
-    mv = memoryview(view)
-    while mv.nbytes:
-        n = os.pwrite(fd, mv, offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        mv = mv[n:]
-        offset += n
-
-
 def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
               written: Callable[[int, int], None] | None = None) -> list[int]:
     """Put ``(offset, view)`` pieces into the file with ``put(slice, offset)``, CRC-32 of each slice
@@ -562,7 +552,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
             np.copyto(dest[offset:offset + part.nbytes], np.frombuffer(part, dtype=np.uint8))
     else:
         def put(part: Any, offset: int) -> None:
-            _pwrite_all(fd, part, offset)
+            fsinfo.pwrite_all(fd, part, offset)
 
     written = fsinfo.writeback_starter(fd) if fsinfo.early_writeback(fd) else None
 
@@ -598,7 +588,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         shared.scatter(fd, generated)
     else:
         for p in generated:
-            _pwrite_all(fd, p.data, p.offset)
+            fsinfo.pwrite_all(fd, p.data, p.offset)
     crc = 0
     for p in img.pieces():
         crc = crc32_combine(crc, p.crc, p.length)  # type: ignore[arg-type]
@@ -687,7 +677,7 @@ class _SharedPieces:
         except persist_process.PersistProcessError as exc:
             logger.warning("checkpointd: %s; writing those bytes from this process", exc)
         for offset, data in runs:
-            _pwrite_all(fd, data, offset)
+            fsinfo.pwrite_all(fd, data, offset)
 
     def finish(self, future: Any, run_here: Callable[[list[list[tuple[Piece, int, int]]]], list[Any]]) -> dict[int, Any]:
         """The tasks' CRCs by ``id(task)``; written by ``run_here`` if the process could not."""
