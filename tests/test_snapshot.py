@@ -158,3 +158,20 @@ def test_copy_events_that_host_threads_wait_for_sleep_instead_of_spinning(monkey
     monkeypatch.setenv(chunkstream.SPIN_WAIT_ENV, "1")
     chunkstream.host_waited_event()
     assert made == [True, False]
+
+
+def test_collect_tensors_stores_a_tensor_once_per_view():
+    """Entries that are the same view of the same memory become one slot (tied weights); a different
+    view starting at the same address (a row of a matrix, a reshape) and empty tensors stay separate."""
+    from checkpointd.savejob import collect_tensors
+
+    w = torch.randn(4, 6)
+    tied = w.detach()  # another tensor object, the same view
+    row0, flat, row1 = w[0], w.view(24), w[1]
+    empty_a, empty_b = torch.empty(0), torch.empty(0)
+    skeletons, tensors = collect_tensors([{"a": w, "b": tied, "row": row0}, [flat, empty_a, empty_b, row1]])
+    slots = [skeletons[0]["a"], skeletons[0]["b"], skeletons[0]["row"], *skeletons[1]]
+    assert slots[0].index == slots[1].index, "the same view is stored once"
+    assert len({s.index for s in slots}) == 6
+    assert [tensors[s.index] is t for s, t in zip(slots[2:], [row0, flat, empty_a, empty_b, row1])] == [True] * 5
+    assert tensors[0] is w and len(tensors) == 6

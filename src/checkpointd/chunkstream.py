@@ -182,15 +182,20 @@ class CpuCopier:
 class CudaCopier(CpuCopier):
     """Device-to-host copies on the side stream, ordered after the save point; one event per chunk."""
 
-    def __init__(self, stream: Any, save_point: Any, device: torch.device) -> None:
+    def __init__(self, stream: Any, save_point: Any, device: torch.device,
+                 before: Callable[[], None] | None = None) -> None:
+        """``before``: queues what the first copy must follow on the same stream (device staging's clone)."""
         super().__init__()
         self.stream = stream
         self.save_point = save_point
         self.device = device
+        self._before = before
         self._started = False
 
     def _begin(self) -> None:
         if not self._started:
+            if self._before is not None:
+                self._before()
             self.stream.wait_event(self.save_point)
             self._started = True
 
@@ -312,6 +317,8 @@ class ChunkStream:
         self.n_early = n_early
         self.private_source = private_source
         """The sources are a private device-staging copy: training never has to wait for them."""
+        self.clone: Any = None
+        """Device staging: the ``snapshot.DeviceClone`` the sources are (training waits for it instead)."""
         self.error: BaseException | None = None
         self.buffers_issued = threading.Event()
         self.all_issued = threading.Event()

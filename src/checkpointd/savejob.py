@@ -66,19 +66,34 @@ class _Slot:
 
 
 def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
-    """Skeletons of ``trees`` (tensors replaced by slots) and the distinct tensors, in walk order."""
+    """Skeletons of ``trees`` (tensors replaced by slots) and the distinct tensors, in walk order.
+
+    Two entries are one tensor (stored once, e.g. tied weights) when they are the same view of the same
+    memory. Most tensors start at an address no other one does, so the full view key is built only for
+    those that share one: this runs on the training thread for every tensor of every save.
+    """
     tensors: list[torch.Tensor] = []
-    index: dict[tuple[Any, ...], int] = {}
+    at_address: dict[int, list[int]] = {}
 
     def collect(t: torch.Tensor) -> _Slot:
         ptr = t.data_ptr()
-        key = (t.device, ptr, t.dtype, t.shape, t.stride(), t.storage_offset())
-        if ptr == 0 or key not in index:  # empty tensors share data_ptr 0: never merge them
-            index[key] = len(tensors)
-            tensors.append(t)
-        return _Slot(index[key])
+        same_start = at_address.get(ptr) if ptr else None  # empty tensors share data_ptr 0: never merge them
+        if same_start is not None:
+            key = _view_key(t)
+            for j in same_start:
+                if _view_key(tensors[j]) == key:
+                    return _Slot(j)
+            same_start.append(len(tensors))
+        elif ptr:
+            at_address[ptr] = [len(tensors)]
+        tensors.append(t)
+        return _Slot(len(tensors) - 1)
 
     return [copy_tree(tree, collect) for tree in trees], tensors
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
 def buffers_first(entries: Sequence[Entry], tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:

@@ -14,6 +14,12 @@ Why this shape:
   off the training thread's critical path. That thread also does the first save's other one-time work:
   it pickles the new arena's buffers once (the manager's ``on_arena_ready``: the reduction cache is
   then warm) and, with device staging, launches the clone's kernel once (CUDA loads it lazily).
+- **Device staging clones on the side stream too.** With ``device_staging_budget_bytes`` the live
+  tensors are first cloned into a private GPU buffer (:class:`DeviceClone`), queued like the copies
+  above and ordered after the save point on the side stream, so the clone (~10 ms for 20 GB at
+  2 TB/s) runs under the next forward and backward instead of lengthening the save step; the compute
+  stream waits for it (on the GPU) at the same two hooks, and the device-to-host copies that follow
+  read the private copy, paced over the next steps.
 - **Side stream, no host wait, overlapped with the next step.** ``maybe_save`` records an event on the
   compute stream (the save point) and returns. The device-to-host copies are queued on a side stream,
   ordered after that event, at the first moment something could modify a snapshotted tensor: the
@@ -185,6 +191,74 @@ class StagingArena:
         self.buffers = []
 
 
+class DeviceClone:
+    """Device staging: the clone of the live CUDA tensors into the private GPU buffers, on the side stream.
+
+    Why on the side stream: on the compute stream the clone lengthened the save step by its whole
+    duration (20 GB: ~10 ms at 2 TB/s, on top of the call). Why queued lazily, like the pinned mode's
+    copies (at the registered modules' next forward or optimizers' next step, :meth:`order`, or when
+    the device-to-host copies that read it are queued): a loop that synchronizes the whole device at
+    the end of each step (``torch.cuda.synchronize()``, as the benchmarks and the issue's reference
+    loop do) waits for side-stream work too, so a clone queued in ``maybe_save`` still lengthened the
+    save step (measured: 22-24 ms at 20 GB either way, H200). Queued at the next forward, it runs under
+    forward and backward; training waits for it on the GPU only where it would modify a source: the
+    forward for the module buffers (cloned first), the optimizer step for everything. The
+    device-to-host copies that follow on the same stream are ordered after it without any event.
+    """
+
+    def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], n_buffers: int,
+                 save_point: Any, stream: Any) -> None:
+        self._sources: list[torch.Tensor] | None = sources
+        """Held until the compute stream waited for the clone: memory freed before that could be reused
+        by the compute stream while the side stream still reads it (cheaper than ``record_stream`` on
+        every source)."""
+        self._buffers: list[torch.Tensor] | None = buffers
+        self._n_buffers = n_buffers
+        self._save_point = save_point
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.buffers_done: Any = None
+        self.done: Any = None
+        """The event after the whole clone; None until it is queued."""
+        self.waited_buffers = n_buffers == 0
+        self.waited_all = False
+
+    def queue(self) -> None:
+        """Queue the clone on the side stream, after the save point (once; any thread)."""
+        if self.done is not None:
+            return
+        with self._lock:
+            if self.done is not None:
+                return
+            sources, buffers, n, stream = self._sources, self._buffers, self._n_buffers, self._stream
+            assert sources is not None and buffers is not None
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.no_grad():
+                stream.wait_event(self._save_point)
+                if n:
+                    torch._foreach_copy_(buffers[:n], sources[:n])
+                    self.buffers_done = torch.cuda.Event()
+                    self.buffers_done.record(stream)
+                if len(sources) > n:
+                    torch._foreach_copy_(buffers[n:], sources[n:])
+                done = torch.cuda.Event()
+                done.record(stream)
+            self._buffers = None
+            self.done = done
+
+    def order(self, current: Any, all_copies: bool) -> None:
+        """Make the compute stream wait for the buffers' clone, or (``all_copies``) the whole clone."""
+        self.queue()
+        if all_copies:
+            if not self.done.query():
+                current.wait_event(self.done)
+            self.waited_all = self.waited_buffers = True
+            self._sources = None
+        elif not self.waited_buffers:
+            if not self.buffers_done.query():
+                current.wait_event(self.buffers_done)
+            self.waited_buffers = True
+
+
 class PendingCopies:
     """The device-to-host copies of one snapshot: queued lazily, then tracked by CUDA events.
 
@@ -199,6 +273,8 @@ class PendingCopies:
         """Whether the committer waits for :attr:`training_waits` before planning (large snapshots)."""
         self.private_source = private_source
         """True when the copies read a private device-staging buffer: training never waits for them."""
+        self.clone: DeviceClone | None = None
+        """Device staging: the clone the copies read from (training waits for it, not for the copies)."""
         self._pairs = pairs or []
         self._n_buffers = n_buffers
         self._save_point = save_point
@@ -238,6 +314,8 @@ class PendingCopies:
             if not self.private_source:
                 max_bytes = None
             stream = self._snap._side_stream(self._device)
+            if self.clone is not None:
+                self.clone.queue()  # the copies read the clone: same stream, queued after it
             with torch.cuda.device(self._device), torch.cuda.stream(stream), torch.no_grad():
                 if not self._started:
                     stream.wait_event(self._save_point)
@@ -525,14 +603,16 @@ class Snapshotter:
         if device_idx:
             device = tensors[device_idx[0]].device
             sources = [tensors[i] for i in device_idx]
-            private = self._stage_on_device(sources, [specs[i] for i in device_idx], device)
+            n_buf = sum(1 for i in device_idx if i < n_buffer_tensors)
             save_point = torch.cuda.Event()
             save_point.record(torch.cuda.current_stream(device))
+            cloned = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
+            private = cloned[0] if cloned is not None else None
             pairs = list(zip(private if private is not None else sources, [staged[i] for i in device_idx]))
-            n_buf = 0 if private is not None else sum(1 for i in device_idx if i < n_buffer_tensors)
-            copies = PendingCopies(self, pairs, n_buf, save_point, device, private_source=private is not None,
-                                   nbytes=arena.nbytes)
-            if private is not None:
+            copies = PendingCopies(self, pairs, 0 if private is not None else n_buf, save_point, device,
+                                   private_source=private is not None, nbytes=arena.nbytes)
+            if cloned is not None:
+                copies.clone = cloned[1]
                 self._last_device_copies = copies
             self._inflight.append(copies)
         return StagedTensors(staged=staged, arena=arena, copies=copies)
@@ -563,48 +643,49 @@ class Snapshotter:
             staged[i] = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         sources = [tensors[i].detach() for i in streamed]
         n_early = sum(1 for i in streamed if i < n_buffer_tensors)
-        private = None
+        cloned = None
         if self.cuda and sources and sources[0].device.type == "cuda":
             device = sources[0].device
-            private = self._stage_on_device(sources, [specs[i] for i in streamed], device)
             save_point = torch.cuda.Event()
             save_point.record(torch.cuda.current_stream(device))
-            copier: CpuCopier = CudaCopier(self._side_stream(device), save_point, device)
+            cloned = self._stage_on_device(sources, [specs[i] for i in streamed], device, save_point, n_early)
+            copier: CpuCopier = CudaCopier(self._side_stream(device), save_point, device,
+                                           before=cloned[1].queue if cloned is not None else None)
         else:
             copier = CpuCopier()
-        stream = ChunkStream(ring, copier, private if private is not None else sources,
-                             0 if private is not None else n_early, private_source=private is not None)
-        if private is not None:
+        stream = ChunkStream(ring, copier, cloned[0] if cloned is not None else sources,
+                             0 if cloned is not None else n_early, private_source=cloned is not None)
+        if cloned is not None:
+            stream.clone = cloned[1]
             self._last_device_copies = stream  # type: ignore[assignment]
         self._inflight.append(stream)  # type: ignore[arg-type]
         return StagedTensors(staged=staged, arena=arena, copies=stream,
                              streamed={pos: k for k, pos in enumerate(streamed)})
 
-    def _stage_on_device(self, sources: list[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> list[torch.Tensor] | None:
-        """Device staging (opt-in): clone the tensors into a reused GPU buffer on the compute stream.
+    def _stage_on_device(self, sources: list[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device,
+                         save_point: Any, n_buffers: int) -> "tuple[list[torch.Tensor], DeviceClone] | None":
+        """Device staging (opt-in): the reused GPU buffer and the :class:`DeviceClone` into it (queued later).
 
-        A device-to-device copy runs at ~2 TB/s, so the training stream pays milliseconds and never
-        waits for the slower device-to-host copy, which then reads the private GPU copy. Returns None
-        (host staging) when the state does not fit the GPU budget.
+        A device-to-device copy runs at ~2 TB/s; training waits for it on the GPU at its next forward
+        (module buffers) and optimizer step, never for the slower device-to-host copy, which then reads
+        the private GPU copy. Returns None (host staging) when the state does not fit the GPU budget.
         """
         if self.device_budget_bytes is None:
             return None
         buffers = self._ensure_device_arena(tuple(specs), device)
         if buffers is None:
             return None
-        current = torch.cuda.current_stream(device)
         prev = self._last_device_copies
-        if isinstance(prev, ChunkStream):  # host budget: wait until it was all issued, then on the device
+        # The previous save's device-to-host copies still read these buffers. They run on the same
+        # side stream, so the clone is ordered after them once they are all queued.
+        if isinstance(prev, ChunkStream):  # host budget: the writer issues them as chunks free up
             if not prev.all_issued.is_set():
                 t0 = time.perf_counter()
                 prev.all_issued.wait()
                 self.hook_wait_secs += time.perf_counter() - t0
-            prev.copier.order_compute_after(prev._last_handle)
-        elif prev is not None and prev.all_done is not None:
-            current.wait_event(prev.all_done)  # the previous D2H still reads these buffers
-        with torch.no_grad():
-            torch._foreach_copy_(buffers, sources)
-        return buffers
+        elif prev is not None:
+            prev.enqueue()
+        return buffers, DeviceClone(sources, buffers, n_buffers, save_point, self._side_stream(device))
 
     def _side_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -627,9 +708,15 @@ class Snapshotter:
         current: Any = None
         still: list[Any] = []
         for c in self._inflight:
+            clone = c.clone
+            if clone is not None and not clone.waited_all:  # device staging: wait (on the GPU) for the clone only
+                if current is None:
+                    current = torch.cuda.current_stream()
+                clone.order(current, all_copies)
+            clone_pending = clone is not None and not clone.waited_all
             if isinstance(c, ChunkStream):  # host budget: the copies leave only as chunks free up
                 if c.private_source:
-                    if not c.all_issued.is_set():
+                    if not c.all_issued.is_set() or clone_pending:
                         still.append(c)
                     continue
                 if not all_copies and c.waited_buffers:
@@ -648,8 +735,8 @@ class Snapshotter:
                 c.training_waits.set()
             if c.private_source:  # training never waits for these; just keep them flowing
                 c.enqueue(max_bytes=DEVICE_PACE_BYTES)
-                if not c.enqueued.is_set() or not c.training_waits.is_set():  # kept for the optimizer's hook
-                    still.append(c)
+                if not c.enqueued.is_set() or not c.training_waits.is_set() or clone_pending:
+                    still.append(c)  # kept for the optimizer's hook
                 continue
             c.enqueue()
             if all_copies:

@@ -262,6 +262,19 @@ def _where(path: tuple[Any, ...]) -> str:
     return path[0] + "".join(reversed(keys))
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_ATOMS = frozenset((type(None), bool, int, float, str))
+
+
+def _plain_leaf(v: Any) -> bool:
+    """A value that needs no further check: a dense plain tensor or a common atom (the fast path of
+    :func:`_validate`, which sees every tensor and number of the state at every save)."""
+    t = type(v)
+    if t in _PLAIN_TENSORS:
+        return not v.is_meta and v.layout == torch.strided
+    return t in _PLAIN_ATOMS
+
+
 def _validate(obj: Any, path: tuple[Any, ...], str_keys: bool, depth: int) -> None:
     if depth > 100:
         raise StateError(f"{_where(path)} nests deeper than 100 levels (a reference cycle?)")
@@ -277,17 +290,20 @@ def _validate(obj: Any, path: tuple[Any, ...], str_keys: bool, depth: int) -> No
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if str_keys and not isinstance(k, str):
-                raise StateError(f"{_where(path)} has a non-string key {k!r} ({type(k).__name__}); state dict keys must be strings")
-            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
-                raise StateError(f"{_where(path)} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
-            _validate(v, (path, k), False, depth + 1)
+            if type(k) is not str:
+                if str_keys:
+                    raise StateError(f"{_where(path)} has a non-string key {k!r} ({type(k).__name__}); state dict keys must be strings")
+                if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                    raise StateError(f"{_where(path)} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
+            if not _plain_leaf(v):
+                _validate(v, (path, k), False, depth + 1)
         return
     if isinstance(obj, (list, tuple, set, frozenset)):
         if isinstance(obj, tuple) and type(obj) is not tuple and not isinstance(obj, torch.Size):
             raise StateError(f"{_where(path)} is a {type(obj).__name__} (a namedtuple?); use a plain tuple, list or dict")
         for i, v in enumerate(obj):
-            _validate(v, (path, i), False, depth + 1)
+            if not _plain_leaf(v):
+                _validate(v, (path, i), False, depth + 1)
         return
     if isinstance(obj, _ATOMS):
         return
@@ -305,16 +321,16 @@ def copy_tree(obj: Any, on_tensor: Callable[[torch.Tensor], Any]) -> Any:
     """Rebuild the containers of ``obj`` (same types), mapping tensors and DeferredScalars through ``on_tensor``.
 
     Non-tensor leaves are immutable atoms and are shared, so later mutation of the user's containers
-    never leaks into a snapshot.
+    never leaks into a snapshot. Tensor values of dicts are mapped without a recursive call: a save
+    walks every tensor of the state on the training thread.
     """
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
     if isinstance(obj, DeferredScalar):
         return DeferredScalar(on_tensor(obj.tensor), obj.as_type)
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, copy_tree(v, on_tensor)) for k, v in obj.items())
     if isinstance(obj, dict):
-        return {k: copy_tree(v, on_tensor) for k, v in obj.items()}
+        items = [(k, on_tensor(v) if isinstance(v, torch.Tensor) else copy_tree(v, on_tensor)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, list):
         return [copy_tree(v, on_tensor) for v in obj]
     if isinstance(obj, torch.Size):
@@ -324,5 +340,3 @@ def copy_tree(obj: Any, on_tensor: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (set, frozenset)):
         return type(obj)(copy_tree(v, on_tensor) for v in obj)
     return obj
-
-
