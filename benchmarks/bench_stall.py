@@ -48,7 +48,7 @@ WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
-               "io_only_reuse", "copy_only"]
+               "io_only_reuse", "copy_only", "clone_only"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none"]
 
@@ -444,8 +444,63 @@ class CopyOnly(Saver):
         self.gc.close()
 
 
+class CloneOnly(CopyOnly):
+    """Device staging's copies alone, as ``checkpointd_device`` does them: the state cloned into a
+    reused GPU buffer on a side stream (ordered after the save point, queued at the next forward,
+    waited for by the compute stream before the next optimizer step), then the clone copied into a
+    page-locked buffer on the same stream, paced like checkpointd's (``DEVICE_PACE_BYTES`` queued at
+    each forward and each optimizer step). Nothing is pickled, written or committed: with the save
+    call (``block ms``) and ``io_only_reuse``'s writing it accounts for device staging's stall."""
+
+    name = "clone_only"
+
+    def setup(self):
+        super().setup()
+        from checkpointd.snapshot import DEVICE_PACE_BYTES  # noqa: PLC0415
+        self.pace = DEVICE_PACE_BYTES
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            self.gpu = [torch.empty_like(t) for t in self.src]  # dense sources: the same strides
+        except BaseException:  # out of GPU memory: undo the copy's setup (the heap's freeze included)
+            self.gpu = []
+            self.hook.remove()
+            self.arena.release()
+            self.gc.close()
+            raise
+
+    def _queue(self):
+        if self.save_point is not None:
+            self.stream.wait_event(self.save_point)
+            self.save_point = None
+            self.pending = []  # a copy still pending from the last save is dropped: only its cost counts
+            with torch.cuda.stream(self.stream), torch.no_grad():
+                torch._foreach_copy_(self.gpu, self.src)
+            self.done = torch.cuda.Event()
+            self.done.record(self.stream)
+            self.pending = list(zip(self.gpu, self.arena.buffers))
+        self._pace()
+
+    def _pace(self, everything: bool = False):
+        nbytes = 0
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            while self.pending and (everything or nbytes < self.pace):
+                gpu, host = self.pending.pop(0)
+                host.copy_(gpu, non_blocking=True)
+                nbytes += gpu.numel() * gpu.element_size()
+
+    def finish(self):
+        self.hook.remove()
+        self.before_opt_step()
+        self._pace(everything=True)
+        self.stream.synchronize()
+        self.gpu, self.pending = [], []  # the next method gets this GPU memory back
+        self.arena.release()
+        self.gc.close()
+
+
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
-                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly]}
+                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly,
+                              CloneOnly]}
 
 
 # ----------------------------------------------------------------------------------------------------

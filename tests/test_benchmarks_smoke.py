@@ -32,7 +32,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
 def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
     with_env = "checkpointd@CHECKPOINTD_PERSIST_THREADS=1+CHECKPOINTD_PLAN_WAIT_SECS=0"
-    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,io_only,copy_only,{with_env},none",
+    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,io_only,copy_only,clone_only,{with_env},none",
                 "--dir", str(tmp_path / "ckd"), "--json", str(out))
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[with_env]["env"] == {"CHECKPOINTD_PERSIST_THREADS": "1", "CHECKPOINTD_PLAN_WAIT_SECS": "0"}
@@ -49,6 +49,7 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert not [f for f in os.listdir(tmp_path / "ckd") if f.startswith("io")]  # the last files removed at the end
     assert "save/+1/+2/rest" in proc.stdout
     assert "CUDA" in runs["copy_only"]["skipped"]  # the device-to-host copy alone: GPU only, said so on CPU
+    assert "CUDA" in runs["clone_only"]["skipped"]  # device staging's copies alone: likewise
 
 
 @pytest.mark.timeout(300)
