@@ -234,3 +234,19 @@ def test_a_root_with_only_leftovers_restores_none(tmp_path):
     with CheckpointManager(root, _good_state()) as mgr:
         assert mgr.steps() == []
         assert mgr.restore_latest() is None
+
+
+def test_validation_keeps_its_rules_on_the_fast_path():
+    """The per-save validation checks plain tensors and common atoms inline; what it accepts and refuses
+    stays as it was: str subclasses are string keys, meta tensors and non-string module keys are refused."""
+    from checkpointd.errors import StateError
+    from checkpointd.state import validate_tree
+
+    class Name(str):
+        pass
+
+    validate_tree({Name("w"): torch.ones(2), "n": [1, 2.0, None, True, "s", torch.zeros(1)]}, "state['m']", module_keys=True)
+    with pytest.raises(StateError, match=r"state\['m'\] has a non-string key 1 \(int\)"):
+        validate_tree({"a": torch.ones(1), 1: torch.ones(1)}, "state['m']", module_keys=True)
+    with pytest.raises(StateError, match=r"state\['d'\]\['x'\]\[1\] is a meta tensor"):
+        validate_tree({"x": [torch.ones(1), torch.empty(2, device="meta")]}, "state['d']")

@@ -15,8 +15,8 @@ Why this shape:
   it pickles the new arena's buffers once (the manager's ``on_arena_ready``: the reduction cache is
   then warm) and, with device staging, launches the clone's kernel once (CUDA loads it lazily).
 - **Device staging clones on the side stream too.** With ``device_staging_budget_bytes`` the live
-  tensors are first cloned into a private GPU buffer (:class:`DeviceClone`), queued like the copies
-  above and ordered after the save point on the side stream, so the clone (~10 ms for 20 GB at
+  tensors are first cloned into a private GPU buffer (:class:`DeviceClone`), queued like the
+  device-to-host copies (next point) and ordered after the save point on the side stream, so the clone (~10 ms for 20 GB at
   2 TB/s) runs under the next forward and backward instead of lengthening the save step; the compute
   stream waits for it (on the GPU) at the same two hooks, and the device-to-host copies that follow
   read the private copy, paced over the next steps.

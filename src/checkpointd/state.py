@@ -290,8 +290,8 @@ def _validate(obj: Any, path: tuple[Any, ...], str_keys: bool, depth: int) -> No
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if type(k) is not str:
-                if str_keys:
+            if type(k) is not str:  # the common case skips both checks
+                if str_keys and not isinstance(k, str):
                     raise StateError(f"{_where(path)} has a non-string key {k!r} ({type(k).__name__}); state dict keys must be strings")
                 if not isinstance(k, (str, int, float, bool, type(None), tuple)):
                     raise StateError(f"{_where(path)} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
