@@ -472,12 +472,11 @@ class CloneOnly(CopyOnly):
         if self.save_point is not None:
             self.stream.wait_event(self.save_point)
             self.save_point = None
-            self.pending = []  # a copy still pending from the last save is dropped: only its cost counts
             with torch.cuda.stream(self.stream), torch.no_grad():
                 torch._foreach_copy_(self.gpu, self.src)
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
-            self.pending = list(zip(self.gpu, self.arena.buffers))
+            self.pending = list(zip(self.gpu, self.arena.buffers))  # drops what the last save left: only cost counts
         self._pace()
 
     def _pace(self, everything: bool = False):
