@@ -488,13 +488,10 @@ class CloneOnly(CopyOnly):
                 nbytes += gpu.numel() * gpu.element_size()
 
     def finish(self):
-        self.hook.remove()
-        self.before_opt_step()
+        self._queue()
         self._pace(everything=True)
-        self.stream.synchronize()
+        super().finish()
         self.gpu, self.pending = [], []  # the next method gets this GPU memory back
-        self.arena.release()
-        self.gc.close()
 
 
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
