@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/run_gpu.sh
 #
-# Installs the carried wheels (if $WHEELS exists), then runs, with PYTHONPATH=src:
+# Installs the carried wheels (if $WHEELS exists: zstandard, fsspec, zlib-ng), then runs, with PYTHONPATH=src:
 #   1. bench_stall.py   (training stall; tmpfs target)            -> $OUT/stall.json
 #   2. bench_persist.py (persist throughput; tmpfs, then disk)     -> $OUT/persist_tmpfs.json, persist_disk.json
 #   3. bench_restore.py (restore throughput; tmpfs, then disk)     -> $OUT/restore_tmpfs.json, restore_disk.json
@@ -17,7 +17,7 @@
 #   BUDGET_S [470]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
-#   persist/restore: REPEAT [2]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
+#   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
 set -u
@@ -40,7 +40,12 @@ START=$(date +%s)
 
 if [ -d "$WHEELS" ]; then
     echo "== installing wheels from $WHEELS"
-    "$PY" -m pip install --no-index --find-links "$WHEELS" zstandard fsspec 2>&1 | tail -n 2
+    # one at a time: a wheel missing from $WHEELS must not stop the others. zlib-ng is optional for the
+    # library but not for its numbers: without it every checksum runs at zlib's ~4 GB/s a core
+    # (a restore verifies every byte first; a compressed save checksums every byte it writes).
+    for pkg in zstandard fsspec zlib-ng; do
+        "$PY" -m pip install --no-index --find-links "$WHEELS" "$pkg" 2>&1 | tail -n 1
+    done
 fi
 "$PY" - <<'EOF'
 import torch
@@ -51,6 +56,12 @@ for m in ("zstandard", "fsspec", "checkpointd"):
         mod = __import__(m); print("   ", m, getattr(mod, "__version__", "?"))
     except Exception as e:  # noqa: BLE001
         print("   ", m, "NOT IMPORTABLE:", e)
+try:
+    from checkpointd import crc
+    note = "" if crc.CRC32_IMPLEMENTATION != "zlib" else " (slow: pip install zlib-ng for the numbers users get with the 'fast' extra)"
+    print("    CRC-32 by", crc.CRC32_IMPLEMENTATION + note)
+except Exception as e:  # noqa: BLE001
+    print("    CRC-32 implementation unknown:", e)
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 df -h "$(dirname "$TMPFS_DIR")" "$(dirname "$DISK_DIR")" 2>/dev/null | tee "$OUT/df.txt"
@@ -74,15 +85,17 @@ stage() {
 stage stall 300 benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
 stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
+# restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
+# of 2 leaves one warm sample, and one slow sample decided a whole row (session 14)
 stage restore_tmpfs 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
-    ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+    --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 90 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk 150 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
     stage restore_disk 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
-        ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+        --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 rm -rf "$TMPFS_DIR" "$DISK_DIR"
 

@@ -156,3 +156,22 @@ def test_manager_round_trip_with_parallel_writer(tmp_path) -> None:
         if f.suffix in (".pt", ".mdlus"):
             with zipfile.ZipFile(f) as zf:
                 assert zf.testzip() is None
+
+
+def test_streamed_checksums_equal_zlib_whatever_crc_library_runs() -> None:
+    """The checksum of a streamed file (writer) and of a file read back (reader) are zlib's CRC-32 of
+    the bytes, computed by the fastest library installed (``crc.crc32``)."""
+    from checkpointd import checksum
+
+    rng = random.Random(5)
+    pieces = [os.urandom(rng.choice([0, 1, 31, 4096, 1 << 20])) for _ in range(30)]
+    out = io.BytesIO()
+    w = checksum.ChecksumWriter(out)
+    r = checksum.ChecksumReader()
+    for p in pieces:
+        w.write(p)
+        r.update(memoryview(p))
+    data = b"".join(pieces)
+    expected = checksum.format_crc(zlib.crc32(data))
+    assert out.getvalue() == data and w.nbytes == r.nbytes == len(data)
+    assert w.checksum == r.checksum == checksum.checksum_bytes(data) == expected

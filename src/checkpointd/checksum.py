@@ -1,15 +1,20 @@
 """Checksums computed while bytes stream to storage (no second pass over the data).
 
-CRC-32 (zlib, which releases the GIL on large buffers and runs at several GB/s) of the bytes exactly as
-stored. It detects truncation and corruption; the commit marker additionally pins the manifest with
-SHA-256, so a manifest cannot be swapped under a marker.
+CRC-32 of the bytes exactly as stored, by :data:`checkpointd.crc.crc32`: zlib-ng's where installed
+(the ``fast`` extra; 15-20 GB/s a core), else zlib's (~4 GB/s); both release the GIL on large buffers.
+Why not ``zlib.crc32`` always: a compressed file's one writer thread checksums every byte it writes,
+and at zlib's rate that cost about as much as the write (H200, 4.83 GB zstd save to tmpfs, same
+lease: 1.40-1.68 GB/s with zlib's CRC, 1.68-2.20 with zlib-ng's; benchmarks/RESULTS.md, session 14).
+It detects truncation and corruption; the commit marker additionally pins the manifest with SHA-256,
+so a manifest cannot be swapped under a marker.
 """
 
 from __future__ import annotations
 
 import hashlib
-import zlib
 from typing import Any
+
+from .crc import crc32
 
 ALGORITHM = "crc32"
 
@@ -25,7 +30,7 @@ class ChecksumWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.nbytes:
-            self._crc = zlib.crc32(view, self._crc)
+            self._crc = crc32(view, self._crc)
             self._raw.write(view)
             self.nbytes += view.nbytes
         return view.nbytes
@@ -40,7 +45,7 @@ def format_crc(crc: int) -> str:
 
 
 def checksum_bytes(data: Any) -> str:
-    return format_crc(zlib.crc32(memoryview(data)))
+    return format_crc(crc32(memoryview(data)))
 
 
 class ChecksumReader:
@@ -52,7 +57,7 @@ class ChecksumReader:
 
     def update(self, data: Any) -> None:
         view = memoryview(data)
-        self._crc = zlib.crc32(view, self._crc)
+        self._crc = crc32(view, self._crc)
         self.nbytes += view.nbytes
 
     @property
