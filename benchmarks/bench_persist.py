@@ -298,7 +298,7 @@ def per_round_ratio(row: dict, raw_by_round: dict[int, float]) -> float | None:
 
 def summarise(res: dict) -> str:
     i, w = res["info"], res["state"]
-    lines = [f"\n== persist: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores",
+    lines = [f"\n== persist: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores, CRC-32 by {i.get('crc32', '?')}",
              f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}, fp32 params + AdamW moments), "
              f"on {w['state_on']}{' pinned' if w['pinned'] else ''}",
              f"   GB/s = state bytes / best of {res['args']['repeat']} x {res['args'].get('rounds', 1)} round(s) (first = first "

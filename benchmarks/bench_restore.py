@@ -203,7 +203,7 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
 
 def summarise(res: dict) -> str:
     i, w = res["info"], res["state"]
-    lines = [f"\n== restore: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores",
+    lines = [f"\n== restore: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores, CRC-32 by {i.get('crc32', '?')}",
              f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}), live on {w['state_on']}",
              "   GB/s = state bytes / best of --repeat, page cache dropped before each read; x raw = vs the best raw read of "
              "the same dir; ok = values equal the saved ones; target: checkpointd >= 0.7x raw"]

@@ -65,6 +65,11 @@ def env_info(dev: Dev) -> dict:
     }
     ckd = try_import_checkpointd()
     info["checkpointd"] = getattr(ckd, "__version__", "unknown") if not isinstance(ckd, str) else f"unavailable: {ckd}"
+    if not isinstance(ckd, str):
+        from checkpointd import crc  # noqa: PLC0415
+
+        # restores and compressed saves checksum every byte: zlib's CRC-32 makes both slower (RESULTS.md, session 14)
+        info["crc32"] = crc.CRC32_IMPLEMENTATION
     return info
 
 
