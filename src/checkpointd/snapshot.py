@@ -212,7 +212,9 @@ class DeviceClone:
         """Held until the compute stream waited for the clone: memory freed before that could be reused
         by the compute stream while the side stream still reads it (cheaper than ``record_stream`` on
         every source)."""
-        self._buffers: list[torch.Tensor] | None = buffers
+        self.buffers = buffers
+        """The private GPU buffers (the snapshotter's reused device arena) that the clone fills; the
+        device-to-host copies read them."""
         self._n_buffers = n_buffers
         self._save_point = save_point
         self._stream = stream
@@ -230,8 +232,8 @@ class DeviceClone:
         with self._lock:
             if self.done is not None:
                 return
-            sources, buffers, n, stream = self._sources, self._buffers, self._n_buffers, self._stream
-            assert sources is not None and buffers is not None
+            sources, buffers, n, stream = self._sources, self.buffers, self._n_buffers, self._stream
+            assert sources is not None
             with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.no_grad():
                 stream.wait_event(self._save_point)
                 if n:
@@ -242,7 +244,6 @@ class DeviceClone:
                     torch._foreach_copy_(buffers[n:], sources[n:])
                 done = torch.cuda.Event()
                 done.record(stream)
-            self._buffers = None
             self.done = done
 
     def order(self, current: Any, all_copies: bool) -> None:
@@ -606,13 +607,12 @@ class Snapshotter:
             n_buf = sum(1 for i in device_idx if i < n_buffer_tensors)
             save_point = torch.cuda.Event()
             save_point.record(torch.cuda.current_stream(device))
-            cloned = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
-            private = cloned[0] if cloned is not None else None
-            pairs = list(zip(private if private is not None else sources, [staged[i] for i in device_idx]))
-            copies = PendingCopies(self, pairs, 0 if private is not None else n_buf, save_point, device,
-                                   private_source=private is not None, nbytes=arena.nbytes)
-            if cloned is not None:
-                copies.clone = cloned[1]
+            clone = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
+            pairs = list(zip(clone.buffers if clone is not None else sources, [staged[i] for i in device_idx]))
+            copies = PendingCopies(self, pairs, 0 if clone is not None else n_buf, save_point, device,
+                                   private_source=clone is not None, nbytes=arena.nbytes)
+            if clone is not None:
+                copies.clone = clone
                 self._last_device_copies = copies
             self._inflight.append(copies)
         return StagedTensors(staged=staged, arena=arena, copies=copies)
@@ -643,28 +643,28 @@ class Snapshotter:
             staged[i] = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         sources = [tensors[i].detach() for i in streamed]
         n_early = sum(1 for i in streamed if i < n_buffer_tensors)
-        cloned = None
+        clone = None
         if self.cuda and sources and sources[0].device.type == "cuda":
             device = sources[0].device
             save_point = torch.cuda.Event()
             save_point.record(torch.cuda.current_stream(device))
-            cloned = self._stage_on_device(sources, [specs[i] for i in streamed], device, save_point, n_early)
+            clone = self._stage_on_device(sources, [specs[i] for i in streamed], device, save_point, n_early)
             copier: CpuCopier = CudaCopier(self._side_stream(device), save_point, device,
-                                           before=cloned[1].queue if cloned is not None else None)
+                                           before=clone.queue if clone is not None else None)
         else:
             copier = CpuCopier()
-        stream = ChunkStream(ring, copier, cloned[0] if cloned is not None else sources,
-                             0 if cloned is not None else n_early, private_source=cloned is not None)
-        if cloned is not None:
-            stream.clone = cloned[1]
+        stream = ChunkStream(ring, copier, clone.buffers if clone is not None else sources,
+                             0 if clone is not None else n_early, private_source=clone is not None)
+        if clone is not None:
+            stream.clone = clone
             self._last_device_copies = stream  # type: ignore[assignment]
         self._inflight.append(stream)  # type: ignore[arg-type]
         return StagedTensors(staged=staged, arena=arena, copies=stream,
                              streamed={pos: k for k, pos in enumerate(streamed)})
 
     def _stage_on_device(self, sources: list[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device,
-                         save_point: Any, n_buffers: int) -> "tuple[list[torch.Tensor], DeviceClone] | None":
-        """Device staging (opt-in): the reused GPU buffer and the :class:`DeviceClone` into it (queued later).
+                         save_point: Any, n_buffers: int) -> DeviceClone | None:
+        """Device staging (opt-in): the :class:`DeviceClone` into the reused GPU buffers (queued later).
 
         A device-to-device copy runs at ~2 TB/s; training waits for it on the GPU at its next forward
         (module buffers) and optimizer step, never for the slower device-to-host copy, which then reads
@@ -685,7 +685,7 @@ class Snapshotter:
                 self.hook_wait_secs += time.perf_counter() - t0
         elif prev is not None:
             prev.enqueue()
-        return buffers, DeviceClone(sources, buffers, n_buffers, save_point, self._side_stream(device))
+        return DeviceClone(sources, buffers, n_buffers, save_point, self._side_stream(device))
 
     def _side_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
