@@ -377,6 +377,9 @@ def parse_args(argv=None):
                         "on disks whose speed drifts during a run")
     p.add_argument("--keep-files", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
+    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
+                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
+                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.tiny:
@@ -392,6 +395,7 @@ def main(argv=None):
     args = parse_args(argv)
     dev = C.Dev(cpu=args.cpu)
     info = C.env_info(dev)
+    info["prefault"] = C.prefault_host_memory(args.prefault_gb, dev)
     print(f"[persist] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
     t0 = time.perf_counter()
     model, opt, st = C.build_train_state(args.state_gb, args.D, args.L, dev, on=args.state_on)

@@ -252,6 +252,9 @@ def parse_args(argv=None):
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"))
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
+    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
+                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
+                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.tiny:
@@ -267,6 +270,7 @@ def main(argv=None):
     args = parse_args(argv)
     dev = C.Dev(cpu=args.cpu)
     info = C.env_info(dev)
+    info["prefault"] = C.prefault_host_memory(args.prefault_gb, dev)
     print(f"[restore] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
     model, opt, st = C.build_train_state(args.state_gb, args.D, args.L, dev, on="device")
     live = C.state_tensors(model, opt)

@@ -910,6 +910,9 @@ def parse_args(argv=None):
                    help="JSON object of extra CheckpointManager kwargs for every checkpointd method")
     p.add_argument("--device-kwargs", default=C.env_str("CKD_DEVICE_KWARGS", None),
                    help="JSON object of kwargs that turn on device staging (checkpointd_device); auto-detected if absent")
+    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
+                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
+                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
     p.add_argument("--json", default=None, help="write all results here")
     a = p.parse_args(argv)
     return resolve_args(p, a, SAVERS)
@@ -944,9 +947,11 @@ def resolve_args(p: argparse.ArgumentParser, a: argparse.Namespace, savers: dict
 
 def main(argv=None):
     args = parse_args(argv)
+    prefault = C.prefault_host_memory(args.prefault_gb, C.Dev(cpu=args.cpu))
     b = Bench(args)
     b.steps = args.steps
     info = C.env_info(b.dev)
+    info["prefault"] = prefault
     print(f"[stall] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
     if not b.dev.cuda:
         print("[stall] CPU mode: a smoke test of the script; its timings mean nothing", flush=True)

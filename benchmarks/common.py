@@ -73,6 +73,57 @@ def env_info(dev: Dev) -> dict:
     return info
 
 
+PREFAULT_ENV = "PREFAULT_GB"
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def prefault_host_memory(spec: str | None, dev: Dev) -> dict:
+    """Write to most of the host's free memory once, then free it, before anything is timed.
+
+    Why: on a freshly started VM the first write to each page of guest memory is slow (the
+    hypervisor maps it in). On an H200 lease (RESULTS.md, session 15) never-touched memory was
+    written at 4.7-5.3 GiB/s and the same amount touched again at 18.5-20.1 GiB/s, and a stall run
+    started in a lease's first minutes measured 53-86 ms a checkpoint for writing the files alone
+    (``io_only_reuse``) against -0.2-4.0 ms for the same method later in that run. Whichever method
+    runs first (baseline or checkpointd) pays for the pages it touches first, so the comparison
+    would depend on the order. ``spec``: GiB to touch, ``auto`` (the default on CUDA: 75 % of
+    ``MemAvailable``, 1 GiB blocks held until the end) or ``0`` (the default on CPU: skip).
+    """
+    spec = (spec or ("auto" if dev.cuda else "0")).strip().lower()
+    if spec == "auto":
+        avail = _mem_available_bytes()
+        gib = int(0.75 * avail) >> 30 if avail else 0
+    else:
+        gib = int(float(spec))
+    if gib <= 0:
+        return {"gib": 0}
+    blocks = []
+    t0 = time.perf_counter()
+    try:
+        for _ in range(gib):
+            blocks.append(torch.empty(1 << 28, dtype=torch.float32).fill_(1.0))
+    except RuntimeError:  # out of memory: what was touched still counts
+        pass
+    secs = time.perf_counter() - t0
+    touched = len(blocks)
+    del blocks
+    gc.collect()
+    out = {"gib": touched, "secs": round(secs, 2), "gib_per_s": round(touched / secs, 1) if secs > 0 else None}
+    print(f"[prefault] wrote {touched} GiB of host memory once in {secs:.1f} s ({out['gib_per_s']} GiB/s; "
+          f"first writes to a fresh VM's pages are slow: benchmarks/common.py prefault_host_memory)", flush=True)
+    return out
+
+
 def env_int(name: str, default: int | None) -> int | None:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default

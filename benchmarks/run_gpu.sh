@@ -19,6 +19,8 @@
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
+#   PREFAULT_GB [auto]: host memory the first stage writes once before timing (a fresh VM maps its pages
+#            on first write, ~4x slower: benchmarks/common.py prefault_host_memory); later stages skip it
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -83,6 +85,7 @@ stage() {
 }
 
 stage stall 300 benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
+export PREFAULT_GB=0  # the host's memory was written once by the stall stage; it stays mapped
 stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
