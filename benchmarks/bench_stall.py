@@ -774,6 +774,37 @@ def persist_and_notes(r: dict, row: dict, width: int) -> None:
         row["note"] = "; ".join(notes)[:width]
 
 
+DRIFT_WARN = 0.03
+"""Flag a run whose `none` runs' median steps differ by more than this fraction, or where a method's
+median step is this much below the baseline (checkpointing cannot make steps faster: that is drift)."""
+
+
+def drift_warning(runs: list[dict]) -> str | None:
+    """A warning when the loop's median step moved between the methods of this run, else None.
+
+    Why: a stall sums 21 steps against the `none` runs' median, so a drift of d ms a step moves every
+    stall by ~21 d. Session 15's 0.45 GB run (RESULTS.md) drifted from 10.0 to 7.0 ms a step and back
+    within one process: its stalls came out negative. Slower medians are not flagged: persisting may
+    really slow the steps between checkpoints (the `steady x` column). The table still prints; this
+    says not to read it as a verdict."""
+    base = next((r["none_median_step_ms"] for r in runs if r.get("none_median_step_ms")), None)
+    if not base:
+        return None
+    nones = [r["median_step_ms"] for r in runs if r["method"].split("#")[0] == "none" and r.get("median_step_ms")]
+    off = [(r["method"], r["median_step_ms"]) for r in runs
+           if r.get("median_step_ms") and r["method"].split("#")[0] != "none"
+           and r["median_step_ms"] < base * (1.0 - DRIFT_WARN)]
+    if len(nones) >= 2 and max(nones) > min(nones) * (1.0 + DRIFT_WARN):
+        off = [(r["method"], r["median_step_ms"]) for r in runs if r["method"].split("#")[0] == "none"
+               and r.get("median_step_ms")] + off
+    if not off:
+        return None
+    shift = 21 * max(abs(v - base) for _, v in off)
+    return (f"WARNING: the loop's median step drifted within this run (the `none` baseline {base:.2f} ms; "
+            + ", ".join(f"{m} {v:.2f}" for m, v in off) + f"; more than {DRIFT_WARN:.0%} apart). A stall sums 21 "
+            f"steps, so this moves each by up to {shift:.0f} ms: not a verdict; rerun")
+
+
 def summarise(res: dict) -> str:
     runs = res["runs"]
     fl = res.get("floor", {})
@@ -870,7 +901,8 @@ def summarise(res: dict) -> str:
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
              "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save\n")
-    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
+    warning = drift_warning(runs)
+    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + ("\n" + warning if warning else "")
 
 
 def ckd_stats_lines(runs: list[dict]) -> str:
@@ -984,6 +1016,7 @@ def main(argv=None):
     stats = ckd_stats_lines(res["runs"])
     print(text + ("\n" + stats if stats else ""), flush=True)
     res["table"] = text + ("\n" + stats if stats else "")
+    res["drift_warning"] = drift_warning(res["runs"])
     res["complete"] = True
     C.write_json(args.json, res)
     return res

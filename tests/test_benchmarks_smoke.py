@@ -137,3 +137,25 @@ def test_diagnose_thread_cpu_smoke(tmp_path: Path) -> None:
         assert s["cpu_ms"]["MainThread"] > 0 and "checkpointd-committer" in s["cpu_ms"]
         assert s["switches"]["checkpointd-committer"] > 0
     assert not (tmp_path / "ckd").exists()  # the checkpoints it made are removed
+
+
+def _drift_runs(medians: dict[str, float], base: float) -> list[dict]:
+    return [{"method": m, "median_step_ms": v, "none_median_step_ms": base} for m, v in medians.items()]
+
+
+def test_bench_stall_warns_when_the_loops_step_time_drifts() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_stall
+    finally:
+        sys.path.remove(str(BENCH))
+    # steady loop; a checkpointing method slower than the baseline is a cost, not drift
+    assert bench_stall.drift_warning(_drift_runs({"none": 10.0, "checkpointd": 10.6, "none#2": 10.1}, 10.05)) is None
+    # a method faster than the baseline: the loop itself sped up (session 15's 0.45 GB run)
+    faster = bench_stall.drift_warning(_drift_runs({"none": 10.0, "copy_only": 7.0, "none#2": 10.1}, 10.05))
+    assert faster is not None and "copy_only 7.00" in faster and "none#2" not in faster
+    assert "up to 64 ms" in faster  # 21 steps x 3.05 ms
+    # the two placebo runs disagree
+    nones = bench_stall.drift_warning(_drift_runs({"none": 9.99, "checkpointd": 9.5, "none#2": 8.48}, 9.39))
+    assert nones is not None and "none 9.99" in nones and "none#2 8.48" in nones
+    assert bench_stall.drift_warning([{"method": "none"}]) is None  # nothing measured: nothing to say
