@@ -104,7 +104,10 @@ def prefault_host_memory(spec: str | None, dev: Dev) -> dict:
         avail = _mem_available_bytes()
         gib = int(0.75 * avail) >> 30 if avail else 0
     else:
-        gib = int(float(spec))
+        try:
+            gib = int(float(spec))
+        except ValueError:
+            raise SystemExit(f"--prefault-gb / {PREFAULT_ENV}={spec!r}: expected a number of GiB, 'auto' or 0") from None
     if gib <= 0:
         return {"gib": 0}
     blocks = []
