@@ -799,9 +799,9 @@ def drift_warning(runs: list[dict]) -> str | None:
                and r.get("median_step_ms")] + off
     if not off:
         return None
-    shift = 21 * max(abs(v - base) for _, v in off)
+    shift = WINDOW * max(abs(v - base) for _, v in off)
     return (f"WARNING: the loop's median step drifted within this run (the `none` baseline {base:.2f} ms; "
-            + ", ".join(f"{m} {v:.2f}" for m, v in off) + f"; more than {DRIFT_WARN:.0%} apart). A stall sums 21 "
+            + ", ".join(f"{m} {v:.2f}" for m, v in off) + f"; more than {DRIFT_WARN:.0%} apart). A stall sums {WINDOW} "
             f"steps, so this moves each by up to {shift:.0f} ms: not a verdict; rerun")
 
 
