@@ -377,9 +377,7 @@ def parse_args(argv=None):
                         "on disks whose speed drifts during a run")
     p.add_argument("--keep-files", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
-    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
-                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
-                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
+    C.add_prefault_arg(p)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.tiny:

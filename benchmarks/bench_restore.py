@@ -252,9 +252,7 @@ def parse_args(argv=None):
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"))
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
-    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
-                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
-                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
+    C.add_prefault_arg(p)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.tiny:

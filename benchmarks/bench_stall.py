@@ -942,9 +942,7 @@ def parse_args(argv=None):
                    help="JSON object of extra CheckpointManager kwargs for every checkpointd method")
     p.add_argument("--device-kwargs", default=C.env_str("CKD_DEVICE_KWARGS", None),
                    help="JSON object of kwargs that turn on device staging (checkpointd_device); auto-detected if absent")
-    p.add_argument("--prefault-gb", default=C.env_str(C.PREFAULT_ENV, None),
-                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
-                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
+    C.add_prefault_arg(p)
     p.add_argument("--json", default=None, help="write all results here")
     a = p.parse_args(argv)
     return resolve_args(p, a, SAVERS)

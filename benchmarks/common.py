@@ -76,15 +76,11 @@ def env_info(dev: Dev) -> dict:
 PREFAULT_ENV = "PREFAULT_GB"
 
 
-def _mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def add_prefault_arg(p: Any) -> None:
+    """``--prefault-gb`` (environment ``PREFAULT_GB``) on a benchmark's argument parser."""
+    p.add_argument("--prefault-gb", default=env_str(PREFAULT_ENV, None),
+                   help="GiB of host memory to write once before timing (fresh VMs map pages on first write; "
+                        "default auto on CUDA = 75%% of MemAvailable, 0 on CPU)")
 
 
 def prefault_host_memory(spec: str | None, dev: Dev) -> dict:
@@ -101,7 +97,7 @@ def prefault_host_memory(spec: str | None, dev: Dev) -> dict:
     """
     spec = (spec or ("auto" if dev.cuda else "0")).strip().lower()
     if spec == "auto":
-        avail = _mem_available_bytes()
+        avail = proc_kb_field("/proc/meminfo", "MemAvailable")
         gib = int(0.75 * avail) >> 30 if avail else 0
     else:
         try:
@@ -265,16 +261,21 @@ def build_train_state(gb: float | None, d: int | None, layers: int | None, dev: 
 # host memory
 
 
-def proc_status_bytes(key: str) -> int | None:
-    """VmRSS / VmHWM / VmLck ... of this process, in bytes (Linux)."""
+def proc_kb_field(path: str, key: str) -> int | None:
+    """A ``Key:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``), in bytes (Linux)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def proc_status_bytes(key: str) -> int | None:
+    """VmRSS / VmHWM / VmLck ... of this process, in bytes (Linux)."""
+    return proc_kb_field("/proc/self/status", key)
 
 
 def host_memory(dev: Dev) -> dict:
