@@ -790,13 +790,11 @@ def drift_warning(runs: list[dict]) -> str | None:
     base = next((r["none_median_step_ms"] for r in runs if r.get("none_median_step_ms")), None)
     if not base:
         return None
-    nones = [r["median_step_ms"] for r in runs if r["method"].split("#")[0] == "none" and r.get("median_step_ms")]
-    off = [(r["method"], r["median_step_ms"]) for r in runs
-           if r.get("median_step_ms") and r["method"].split("#")[0] != "none"
-           and r["median_step_ms"] < base * (1.0 - DRIFT_WARN)]
-    if len(nones) >= 2 and max(nones) > min(nones) * (1.0 + DRIFT_WARN):
-        off = [(r["method"], r["median_step_ms"]) for r in runs if r["method"].split("#")[0] == "none"
-               and r.get("median_step_ms")] + off
+    measured = [(r["method"], r["median_step_ms"]) for r in runs if r.get("median_step_ms")]
+    nones = [(m, v) for m, v in measured if m.split("#")[0] == "none"]
+    off = [(m, v) for m, v in measured if m.split("#")[0] != "none" and v < base * (1.0 - DRIFT_WARN)]
+    if len(nones) >= 2 and max(v for _, v in nones) > min(v for _, v in nones) * (1.0 + DRIFT_WARN):
+        off = nones + off
     if not off:
         return None
     shift = WINDOW * max(abs(v - base) for _, v in off)
