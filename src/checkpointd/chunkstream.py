@@ -310,14 +310,12 @@ class ChunkStream:
     """
 
     def __init__(self, ring: ChunkRing, copier: CpuCopier, sources: list[torch.Tensor], n_early: int,
-                 private_source: bool = False) -> None:
+                 clone: Any = None) -> None:
         self.ring = ring
         self.copier = copier
         self.sources = sources
         self.n_early = n_early
-        self.private_source = private_source
-        """The sources are a private device-staging copy: training never has to wait for them."""
-        self.clone: Any = None
+        self.clone = clone
         """Device staging: the ``snapshot.DeviceClone`` the sources are (training waits for it instead)."""
         self.error: BaseException | None = None
         self.buffers_issued = threading.Event()
@@ -331,6 +329,11 @@ class ChunkStream:
         self.waited_buffers = False
         if n_early == 0:
             self.buffers_issued.set()
+
+    @property
+    def private_source(self) -> bool:
+        """The sources are a private device-staging copy: training never has to wait for them."""
+        return self.clone is not None
 
     # -- committer thread -------------------------------------------------------------------------
     def fetch(self, index: int) -> torch.Tensor:

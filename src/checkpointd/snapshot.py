@@ -268,13 +268,11 @@ class PendingCopies:
 
     def __init__(self, snapshotter: "Snapshotter | None" = None, pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  n_buffers: int = 0, save_point: Any = None, device: torch.device | None = None,
-                 private_source: bool = False, nbytes: int = 0) -> None:
+                 nbytes: int = 0, clone: DeviceClone | None = None) -> None:
         self._snap = snapshotter
         self.defer_planning = bool(pairs) and nbytes >= PLAN_DEFER_MIN_BYTES
         """Whether the committer waits for :attr:`training_waits` before planning (large snapshots)."""
-        self.private_source = private_source
-        """True when the copies read a private device-staging buffer: training never waits for them."""
-        self.clone: DeviceClone | None = None
+        self.clone = clone
         """Device staging: the clone the copies read from (training waits for it, not for the copies)."""
         self._pairs = pairs or []
         self._n_buffers = n_buffers
@@ -297,6 +295,11 @@ class PendingCopies:
         if not self._pairs:
             self.enqueued.set()
             self.training_waits.set()
+
+    @property
+    def private_source(self) -> bool:
+        """True when the copies read a private device-staging buffer: training never waits for them."""
+        return self.clone is not None
 
     def enqueue(self, max_bytes: int | None = None) -> None:
         """Queue the copies on the side stream, ordered after the save point.
@@ -610,9 +613,8 @@ class Snapshotter:
             clone = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
             pairs = list(zip(clone.buffers if clone is not None else sources, [staged[i] for i in device_idx]))
             copies = PendingCopies(self, pairs, 0 if clone is not None else n_buf, save_point, device,
-                                   private_source=clone is not None, nbytes=arena.nbytes)
+                                   nbytes=arena.nbytes, clone=clone)
             if clone is not None:
-                copies.clone = clone
                 self._last_device_copies = copies
             self._inflight.append(copies)
         return StagedTensors(staged=staged, arena=arena, copies=copies)
@@ -654,9 +656,8 @@ class Snapshotter:
         else:
             copier = CpuCopier()
         stream = ChunkStream(ring, copier, clone.buffers if clone is not None else sources,
-                             0 if clone is not None else n_early, private_source=clone is not None)
+                             0 if clone is not None else n_early, clone=clone)
         if clone is not None:
-            stream.clone = clone
             self._last_device_copies = stream  # type: ignore[assignment]
         self._inflight.append(stream)  # type: ignore[arg-type]
         return StagedTensors(staged=staged, arena=arena, copies=stream,
