@@ -295,6 +295,7 @@ def summarise(res: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="CPU and gloo even if CUDA is available")
+    C.add_prefault_arg(p)
     p.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", None),
                    help="total state over all ranks: 0.5, 5 or 20 (presets of bench_stall), else L at D=2048")
@@ -332,19 +333,24 @@ def ref_command(args, world: int) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    # Before the process group forms, on one process per host: the other ranks wait in the rendezvous
+    # meanwhile, so they allocate nothing beside the blocks being written.
+    prefault = {"gib": 0, "note": "done by local rank 0"}
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        prefault = C.prefault_host_memory(args.prefault_gb, C.Dev(cpu=args.cpu))
     ctx = Ctx(cpu=args.cpu)
     try:
-        return _main(args, ctx)
+        return _main(args, ctx, prefault)
     finally:
         dist.destroy_process_group()
 
 
-def _main(args, ctx: Ctx):
+def _main(args, ctx: Ctx, prefault: dict):
     rank0 = ctx.rank == 0
     b = DistBench(args, ctx)
     b.steps = args.steps
     info = C.env_info(b.dev)
-    info.update(world_size=ctx.world, backend=ctx.backend)
+    info.update(world_size=ctx.world, backend=ctx.backend, prefault=prefault)
     if rank0:
         print(f"[stall-dist] {ctx.world} ranks, {ctx.backend}, {info['device']}  torch {info['torch']}  "
               f"checkpointd {info['checkpointd']}", flush=True)
