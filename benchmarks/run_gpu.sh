@@ -14,7 +14,7 @@
 #
 # Environment (defaults in brackets):
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
-#   BUDGET_S [470]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
+#   BUDGET_S [1500 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
@@ -29,7 +29,13 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/bench-out}
 WHEELS=${WHEELS:-.wheels}
 STATE_GB=${STATE_GB:-5}
-BUDGET_S=${BUDGET_S:-470}
+# Stage caps and the default budget grow with the state: SCALE = ceil(STATE_GB / 5), at least 1. The
+# caps only stop a stage that hangs or a host far slower than ours. At 5 GB on a 16-core H200 host the
+# stall stage took ~4 minutes and the tmpfs persist stage more than its old 100 s cap (session 16), so a
+# whole run takes an estimated 15-20 minutes. Set BUDGET_S lower to fit a time limit (our device runs
+# use BUDGET_S=500: later stages are then skipped or cut, and the summary says so).
+SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
+BUDGET_S=${BUDGET_S:-$(( 1500 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
@@ -84,20 +90,20 @@ stage() {
     return 0
 }
 
-stage stall 300 benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
+stage stall $(( 420 * SCALE )) benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
 export PREFAULT_GB=0  # the host's memory was written once by the stall stage; it stays mapped
-stage persist_tmpfs 100 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
+stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
 # of 2 leaves one warm sample, and one slow sample decided a whole row (session 14)
-stage restore_tmpfs 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+stage restore_tmpfs $(( 150 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
-stage compression 90 benchmarks/bench_compression.py --repeat 2
+stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
-    stage persist_disk 150 benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
+    stage persist_disk $(( 300 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
-    stage restore_disk 100 benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
+    stage restore_disk $(( 200 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 rm -rf "$TMPFS_DIR" "$DISK_DIR"
