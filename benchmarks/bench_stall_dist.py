@@ -286,7 +286,14 @@ def summarise(res: dict) -> str:
              "   checkpoints' windows of a run without checkpoints (placebo);\n"
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
              "x 1gpu = mean stall / the single GPU's\n")
-    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
+    warnings = drift_warnings(res)
+    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + "".join("\n" + w for w in warnings)
+
+
+def drift_warnings(res: dict) -> list[str]:
+    """``bench_stall.drift_warning`` for each rank's runs: FSDP2 loops drift more than one GPU's
+    (session 16: the median step moved between 44.3 and 51.9 ms within one run)."""
+    return [f"rank {rk['rank']}: {w}" for rk in res.get("ranks", []) if (w := S.drift_warning(rk["runs"]))]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,6 +418,7 @@ def _main(args, ctx: Ctx, prefault: dict):
         text = summarise(res)
         stats = S.ckd_stats_lines(res["ranks"][0]["runs"])
         res["table"] = text + ("\n   rank 0:\n" + stats if stats else "")
+        res["drift_warning"] = drift_warnings(res) or None
         print(res["table"], flush=True)
         res["complete"] = True
         C.write_json(args.json, res)

@@ -159,3 +159,17 @@ def test_bench_stall_warns_when_the_loops_step_time_drifts() -> None:
     nones = bench_stall.drift_warning(_drift_runs({"none": 9.99, "checkpointd": 9.5, "none#2": 8.48}, 9.39))
     assert nones is not None and "none 9.99" in nones and "none#2 8.48" in nones
     assert bench_stall.drift_warning([{"method": "none"}]) is None  # nothing measured: nothing to say
+
+
+def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_stall_dist
+    finally:
+        sys.path.remove(str(BENCH))
+    steady = _drift_runs({"none": 50.0, "checkpointd": 51.0, "none#2": 50.5}, 50.2)
+    drifting = _drift_runs({"none": 44.3, "checkpointd": 48.1, "none#2": 45.9}, 44.8)  # session 16's rank 0
+    res = {"ranks": [{"rank": 0, "runs": drifting}, {"rank": 1, "runs": steady}]}
+    warnings = bench_stall_dist.drift_warnings(res)
+    assert len(warnings) == 1 and warnings[0].startswith("rank 0: WARNING") and "none#2 45.90" in warnings[0]
+    assert bench_stall_dist.drift_warnings({"ranks": [{"rank": 0, "runs": steady}]}) == []
