@@ -173,3 +173,33 @@ def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
     warnings = bench_stall_dist.drift_warnings(res)
     assert len(warnings) == 1 and warnings[0].startswith("rank 0: WARNING") and "none#2 45.90" in warnings[0]
     assert bench_stall_dist.drift_warnings({"ranks": [{"rank": 0, "runs": steady}]}) == []
+
+
+def _stall_result(runs: dict[str, tuple[list[float], list[int]]], every: int = 10, device: str = "NVIDIA H200") -> dict:
+    return {"info": {"device": device}, "workload": {"state_bytes": 4_834_000_896, "every": every},
+            "runs": [{"method": m, "step_s": [ms / 1e3 for ms in steps], "saves": saves} for m, (steps, saves) in runs.items()]}
+
+
+def test_analyse_bursts_counts_windows_by_card_and_method(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import analyse_bursts
+    finally:
+        sys.path.remove(str(BENCH))
+    flat = [10.0] * 40
+    burst = list(flat)
+    burst[10 - 1 + 7] += 25.0  # first save (step 10, index 9): +7 carries 25 ms
+    res = _stall_result({"none": (flat, []), "checkpointd_device": (burst, [10, 20]),
+                         "checkpointd_device@X=1#2": (flat, [10]), "copy_only": (burst, [10])})
+    (tmp_path / "a.json").write_text(json.dumps(res))
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a stall result"}))
+    small = _stall_result({"none": (flat, []), "checkpointd_device": (burst, [10])})
+    small["workload"]["state_bytes"] = 450_000_000
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    t = analyse_bursts.tally([str(tmp_path)], gb=4.83, above=20.0, from_step=6)
+    # none: windows at steps 10 and 20 (the third would run past the end); device: its 3 windows, one burst
+    assert t["counts"] == {"H200 checkpointd_device": [3, 1], "H200 copy_only": [1, 1], "H200 none": [2, 0]}
+    assert t["device_first_later"] == {"first": [2, 1], "later": [1, 0]}
+    # the burst is outside +8..+20, and below a 30 ms threshold
+    assert analyse_bursts.tally([str(tmp_path)], 4.83, 20.0, 8)["counts"]["H200 checkpointd_device"] == [3, 0]
+    assert analyse_bursts.tally([str(tmp_path)], 4.83, 30.0, 6)["counts"]["H200 checkpointd_device"] == [3, 0]
