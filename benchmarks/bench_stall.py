@@ -642,6 +642,7 @@ class Bench:
         stats_first = None
         saves = [s for s in range(1, self.steps + 1) if s % self.every == 0][: args.ckpts] if saver.name != "none" else []
         save_set = set(saves)
+        counters = C.StepCounters() if args.step_counters else None
         try:
             self.dev.sync()
             for step in range(1, self.steps + 1):
@@ -659,6 +660,8 @@ class Bench:
                     saver.nonsave_call_s.append(saver.save(step))
                 self.dev.sync()
                 step_t.append(time.perf_counter() - t0)
+                if counters is not None:  # untimed, like the memory probe below
+                    counters.sample()
                 if saves and step == saves[0] + WINDOW:  # untimed: after this step's clock stopped
                     mem_first = C.host_memory(self.dev)
                     stats_first = saver.peek_stats()
@@ -676,6 +679,9 @@ class Bench:
                     "notes": saver.notes, "mem_before": mem0, "mem_after_setup": mem_setup,
                     "mem_after_first_save": mem_first, "mem_end": C.host_memory(self.dev),
                     "stats_after_first_save": stats_first})
+        if counters is not None:
+            res["step_counters"] = counters.deltas
+            res["slow_step_profile"] = C.slow_step_profile(step_t, counters.deltas)
         res.update(saver.extra())
         return res
 
@@ -900,7 +906,24 @@ def summarise(res: dict) -> str:
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
              "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save\n")
     warning = drift_warning(runs)
-    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + ("\n" + warning if warning else "")
+    profile = slow_step_lines(runs)
+    return (head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + ("\n" + warning if warning else "")
+            + ("\n" + profile if profile else ""))
+
+
+def slow_step_lines(runs: list[dict]) -> str:
+    """With ``--step-counters``: per run, the counters' mean per slow step against the other steps."""
+    out = []
+    for r in runs:
+        prof = r.get("slow_step_profile")
+        if not prof:
+            continue
+        parts = ", ".join(f"{k} {a:g}/{b:g}" for k, (a, b) in prof["per_step"].items())
+        out.append(f"   {r['method']}: {prof['slow_steps']} steps > median + {prof['over_ms']:g} ms; "
+                   f"per slow step / per other step: {parts}")
+    if not out:
+        return ""
+    return "step counters (the training thread's wait for a CPU, switches, faults; host reclaim and compaction):\n" + "\n".join(out)
 
 
 def ckd_stats_lines(runs: list[dict]) -> str:
@@ -931,6 +954,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=C.env_int("STEPS", None),
                    help="timed steps per method (default (ckpts+1)*every - 1)")
     p.add_argument("--warmup", type=int, default=C.env_int("WARMUP", 5))
+    p.add_argument("--step-counters", action="store_true", default=bool(C.env_int("STEP_COUNTERS", 0)),
+                   help="record kernel counters per step (the training thread's wait for a CPU, context switches, "
+                        "faults, reclaim and compaction) and compare the slow steps with the rest")
     p.add_argument("--methods", default=C.env_str("METHODS", ",".join(DEFAULT_METHODS)),
                    help="comma list from: " + ", ".join(ALL_METHODS) + " (the first `none` is the baseline)")
     p.add_argument("--dir", default=C.env_str("CKDIR", "/dev/shm/ckd-bench"), help="checkpoint target (cleaned per method)")

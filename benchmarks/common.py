@@ -273,6 +273,94 @@ def proc_kb_field(path: str, key: str) -> int | None:
     return None
 
 
+VMSTAT_KEYS = ("pgfault", "pgmajfault", "pgalloc_normal", "pgfree", "pgscan_direct", "pgsteal_direct",
+               "pgscan_kswapd", "compact_stall", "compact_fail", "compact_success", "pgmigrate_success",
+               "thp_fault_alloc", "thp_fault_fallback", "workingset_refault_file")
+VMSTAT_PREFIXES = ("allocstall",)
+
+
+class StepCounters:
+    """Kernel counters sampled between training steps: what the host did during each step (Linux).
+
+    Why: device staging's stall misses its target in runs where a checkpoint draws a burst of 20-76 ms
+    in the steps while its files are written, and the writing alone (no library code in the training
+    process) draws them about as often (RESULTS.md, session 16). Per step this records the training
+    thread's time runnable but waiting for a CPU (``/proc/thread-self/schedstat``), its involuntary and
+    voluntary context switches, the process's minor faults, and host-wide memory counters
+    (``/proc/vmstat``: direct reclaim, compaction, page allocation), so a burst can be set against them.
+    Reading the files costs ~0.1-0.2 ms, spent between steps (after a step's clock stops).
+    Counters a kernel does not have are left out.
+    """
+
+    def __init__(self) -> None:
+        self.last = self.read()
+        self.deltas: dict[str, list[float]] = {k: [] for k in self.last}
+
+    @staticmethod
+    def read() -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            with open("/proc/thread-self/schedstat") as f:
+                run_ns, wait_ns, _slices = (int(x) for x in f.read().split()[:3])
+            out["run_ms"], out["wait_ms"] = run_ns / 1e6, wait_ns / 1e6
+        except (OSError, ValueError):
+            pass
+        try:
+            with open("/proc/thread-self/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        key, value = line.split(":")
+                        out["invol_switches" if key.startswith("non") else "vol_switches"] = float(value)
+        except (OSError, ValueError):
+            pass
+        try:
+            with open("/proc/self/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out["proc_minflt"], out["proc_majflt"] = float(fields[7]), float(fields[9])
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/proc/vmstat") as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key in VMSTAT_KEYS or key.startswith(VMSTAT_PREFIXES):
+                        out[key] = float(value)
+        except (OSError, ValueError):
+            pass
+        return out
+
+    def sample(self) -> None:
+        """One step's deltas (call once after each step)."""
+        now = self.read()
+        for k, series in self.deltas.items():
+            series.append(round(now.get(k, 0.0) - self.last.get(k, 0.0), 3))
+        self.last = now
+
+
+def slow_step_profile(step_s: list[float], deltas: dict[str, list[float]], over_ms: float = 3.0) -> dict | None:
+    """Mean counter deltas on the steps more than ``over_ms`` above the run's median step, and on the rest.
+
+    ``None`` when no step is that slow. Counters that never moved are left out.
+    """
+    if not step_s or not deltas:
+        return None
+    ms = [s * 1e3 for s in step_s]
+    med = sorted(ms)[len(ms) // 2]
+    slow = [i for i, v in enumerate(ms) if v > med + over_ms]
+    slow_set = set(slow)
+    rest = [i for i in range(len(ms)) if i not in slow_set]
+    if not slow:
+        return None
+    out: dict[str, Any] = {"slow_steps": len(slow), "other_steps": len(rest), "over_ms": over_ms, "per_step": {}}
+    for k, series in deltas.items():
+        if len(series) != len(ms) or not any(series):
+            continue
+        a = sum(series[i] for i in slow) / len(slow)
+        b = sum(series[i] for i in rest) / len(rest) if rest else 0.0
+        out["per_step"][k] = [round(a, 3), round(b, 3)]
+    return out
+
+
 def proc_status_bytes(key: str) -> int | None:
     """VmRSS / VmHWM / VmLck ... of this process, in bytes (Linux)."""
     return proc_kb_field("/proc/self/status", key)

@@ -33,7 +33,7 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
     with_env = "checkpointd@CHECKPOINTD_PERSIST_THREADS=1+CHECKPOINTD_PLAN_WAIT_SECS=0"
     proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,io_only,copy_only,clone_only,{with_env},none",
-                "--dir", str(tmp_path / "ckd"), "--json", str(out))
+                "--step-counters", "--dir", str(tmp_path / "ckd"), "--json", str(out))
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[with_env]["env"] == {"CHECKPOINTD_PERSIST_THREADS": "1", "CHECKPOINTD_PLAN_WAIT_SECS": "0"}
     assert "error" not in runs[with_env] and len(runs[with_env]["stall_ms"]) >= 3
@@ -50,6 +50,25 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert "save/+1/+2/rest" in proc.stdout
     assert "CUDA" in runs["copy_only"]["skipped"]  # the device-to-host copy alone: GPU only, said so on CPU
     assert "CUDA" in runs["clone_only"]["skipped"]  # device staging's copies alone: likewise
+    counters = ckd["step_counters"]  # --step-counters: one delta per step of each counter the kernel has
+    assert {"pgfault", "proc_minflt"} <= set(counters) and all(len(v) == len(ckd["step_s"]) for v in counters.values())
+    assert sum(counters["proc_minflt"]) > 0  # the saves fault pages in
+
+
+def test_slow_step_profile_sets_slow_steps_against_the_rest() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    steps = [0.010] * 9 + [0.030]  # one step 20 ms above the median
+    deltas = {"wait_ms": [0.0] * 9 + [18.0], "pgfault": [2.0] * 10, "compact_stall": [0.0] * 10}
+    prof = common.slow_step_profile(steps, deltas, over_ms=3.0)
+    assert prof is not None and prof["slow_steps"] == 1 and prof["other_steps"] == 9
+    assert prof["per_step"] == {"wait_ms": [18.0, 0.0], "pgfault": [2.0, 2.0]}  # counters that never moved are left out
+    assert common.slow_step_profile([0.010] * 10, deltas) is None  # no slow step: nothing to compare
+    now = common.StepCounters.read()
+    assert "pgfault" in now and now["pgfault"] > 0  # Linux: /proc/vmstat
 
 
 @pytest.mark.timeout(300)
