@@ -287,7 +287,9 @@ def summarise(res: dict) -> str:
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
              "x 1gpu = mean stall / the single GPU's\n")
     warnings = drift_warnings(res)
-    return head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + "".join("\n" + w for w in warnings)
+    profiles = [f"rank {rk['rank']} " + text for rk in res["ranks"] if (text := S.slow_step_lines(rk["runs"]))]
+    return (head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
+            + "".join("\n" + w for w in warnings) + "".join("\n" + p for p in profiles))
 
 
 def drift_warnings(res: dict) -> list[str]:
@@ -303,6 +305,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="CPU and gloo even if CUDA is available")
     C.add_prefault_arg(p)
+    p.add_argument("--step-counters", action="store_true", default=bool(C.env_int("STEP_COUNTERS", 0)),
+                   help="record kernel counters per step on every rank (see bench_stall.py)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--state-gb", type=float, default=C.env_float("STATE_GB", None),
                    help="total state over all ranks: 0.5, 5 or 20 (presets of bench_stall), else L at D=2048")

@@ -127,7 +127,7 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", str(BENCH / "bench_stall_dist.py"), "--cpu", "--tiny",
            "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none", "--dir", str(tmp_path / "ckd"),
-           "--json", str(out)]
+           "--step-counters", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, f"bench_stall_dist.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     data = json.loads(out.read_text())
@@ -141,6 +141,7 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
             ckd = next(r for r in rk["runs"] if r["method"] == method)
             assert "error" not in ckd, ckd.get("error")
             assert ckd["stats"]["saves_committed"] == 3
+            assert len(ckd["step_counters"]["pgfault"]) == len(ckd["step_s"])  # --step-counters on every rank
     assert "stall ms mean [min, max]" in proc.stdout
 
 
