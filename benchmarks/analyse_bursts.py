@@ -39,7 +39,7 @@ def windows(run: dict, every: int) -> list[int]:
     n = len(run.get("step_s") or [])
     if base_method(run.get("method", "")) == "none":
         return [k * every - 1 for k in range(1, n // every + 1)]
-    return [(s if isinstance(s, int) else s["step"]) - 1 for s in run.get("saves") or []]
+    return [s - 1 for s in run.get("saves") or []]
 
 
 def window_sums(res: dict, from_step: int = 6, upto: int = 20) -> Iterator[tuple[str, int, float]]:

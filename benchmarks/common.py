@@ -347,10 +347,10 @@ def slow_step_profile(step_s: list[float], deltas: dict[str, list[float]], over_
     ms = [s * 1e3 for s in step_s]
     med = sorted(ms)[len(ms) // 2]
     slow = [i for i, v in enumerate(ms) if v > med + over_ms]
-    slow_set = set(slow)
-    rest = [i for i in range(len(ms)) if i not in slow_set]
     if not slow:
         return None
+    slow_set = set(slow)
+    rest = [i for i in range(len(ms)) if i not in slow_set]
     out: dict[str, Any] = {"slow_steps": len(slow), "other_steps": len(rest), "over_ms": over_ms, "per_step": {}}
     for k, series in deltas.items():
         if len(series) != len(ms) or not any(series):
