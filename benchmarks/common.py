@@ -286,9 +286,11 @@ class StepCounters:
     in the steps while its files are written, and the writing alone (no library code in the training
     process) draws them about as often (RESULTS.md, session 16). Per step this records the training
     thread's time runnable but waiting for a CPU (``/proc/thread-self/schedstat``), its involuntary and
-    voluntary context switches, the process's minor faults, and host-wide memory counters
-    (``/proc/vmstat``: direct reclaim, compaction, page allocation), so a burst can be set against them.
-    Reading the files costs ~0.1-0.2 ms, spent between steps (after a step's clock stops).
+    voluntary context switches, the process's minor faults and CPU time (all its threads: the library's
+    own threads in the training process show here), the host's interrupts, context switches and TLB
+    shootdowns (``/proc/stat``, ``/proc/interrupts``) and host-wide memory counters (``/proc/vmstat``:
+    direct reclaim, compaction, page allocation), so a burst can be set against them.
+    Reading the files costs ~0.1-0.3 ms, spent between steps (after a step's clock stops).
     Counters a kernel does not have are left out.
     """
 
@@ -317,7 +319,25 @@ class StepCounters:
             with open("/proc/self/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             out["proc_minflt"], out["proc_majflt"] = float(fields[7]), float(fields[9])
+            tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+            out["proc_user_ms"], out["proc_sys_ms"] = float(fields[11]) * tick_ms, float(fields[12]) * tick_ms
         except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    if line.startswith(("intr ", "ctxt ")):
+                        key, value = line.split()[:2]
+                        out["host_" + key] = float(value)
+        except (OSError, ValueError):
+            pass
+        try:
+            with open("/proc/interrupts") as f:
+                for line in f:
+                    if line.lstrip().startswith("TLB:"):
+                        out["host_tlb_shootdowns"] = float(sum(int(x) for x in line.split()[1:] if x.isdigit()))
+                        break
+        except (OSError, ValueError):
             pass
         try:
             with open("/proc/vmstat") as f:

@@ -51,7 +51,7 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert "CUDA" in runs["copy_only"]["skipped"]  # the device-to-host copy alone: GPU only, said so on CPU
     assert "CUDA" in runs["clone_only"]["skipped"]  # device staging's copies alone: likewise
     counters = ckd["step_counters"]  # --step-counters: one delta per step of each counter the kernel has
-    assert {"pgfault", "proc_minflt"} <= set(counters) and all(len(v) == len(ckd["step_s"]) for v in counters.values())
+    assert {"pgfault", "proc_minflt", "proc_user_ms", "host_intr"} <= set(counters) and all(len(v) == len(ckd["step_s"]) for v in counters.values())
     assert sum(counters["proc_minflt"]) > 0  # the saves fault pages in
 
 
