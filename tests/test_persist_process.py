@@ -206,6 +206,88 @@ def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
         slab.release()
 
 
+def _mappings(pid: int, path: Path) -> int:
+    """How many mappings of ``path`` (or of it deleted) the process ``pid`` holds."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if line.rstrip("\n").endswith((str(path), f"{path} (deleted)")))
+
+
+def _write_once(process: persist_process.PersistProcess, path: Path, slab: sharedmem.SharedSlab, payload: bytes) -> None:
+    slab.array[: len(payload)] = memoryview(payload)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, len(payload))
+        crcs = process.submit_write(fd, len(payload), "mmap", 2, [[(0, slab.id, 0, len(payload))]], [slab]).result(timeout=30)
+    finally:
+        os.close(fd)
+    assert crcs == [[zlib.crc32(payload)]] and path.read_bytes() == payload
+
+
+def test_a_file_written_again_keeps_its_mapping_until_it_is_deleted(tmp_path: Path) -> None:
+    """The process keeps its mapping of a file it wrote (the next save into a recycled file finds its
+    pages mapped), answers for it when retention asks whether anything else uses it, and lets go of it
+    once the file is deleted, so its pages are freed."""
+    process = persist_process.client()
+    assert process is not None
+    slab = sharedmem.SharedSlab(2 << 20)
+    path, other = tmp_path / "kept.bin", tmp_path / "other.bin"
+    try:
+        for _ in range(2):  # two saves into one file: one mapping, kept
+            _write_once(process, path, slab, os.urandom(2 << 20))
+            assert _mappings(process.proc.pid, path) == 1
+        assert process.exclusive(os.stat(path)) is True  # its own descriptor only
+        with open(path, "rb"):
+            assert process.exclusive(os.stat(path)) is False  # opened elsewhere: retention must not reuse it
+        other.write_bytes(b"x")
+        assert process.exclusive(os.stat(other)) is None  # not one of its files: the caller checks itself
+        assert process.writes_done >= 2
+        before = process.writes_done
+        process.exclusive(os.stat(path))
+        assert process.writes_done == before  # questions are not writes
+        os.unlink(path)
+        deadline = time.monotonic() + 10
+        while _mappings(process.proc.pid, path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _mappings(process.proc.pid, path) == 0  # deleted: let go, its pages freed
+        _write_once(process, path, slab, os.urandom(1 << 20))  # a new file of that name: written, not the old one's pages
+    finally:
+        slab.release()
+
+
+def test_mappings_are_not_kept_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "0")
+    persist_process.shutdown()
+    slab = sharedmem.SharedSlab(1 << 20)
+    try:
+        process = persist_process.client()
+        assert process is not None
+        _write_once(process, tmp_path / "f.bin", slab, os.urandom(1 << 20))
+        assert not process.keeps_mappings and _mappings(process.proc.pid, tmp_path / "f.bin") == 0
+        assert process.exclusive(os.stat(tmp_path / "f.bin")) is None
+    finally:
+        slab.release()
+        persist_process.shutdown()
+        monkeypatch.undo()
+
+
+def test_mappings_are_kept_by_default_only_where_the_host_runs_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's retention retires every rank's files and can ask only its own process about them."""
+    for name in (persist_process.KEEP_MAPPINGS_ENV, "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert persist_process._keep_mappings()  # one process, no launcher
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not persist_process._keep_mappings()  # ranks, and nothing says they are on other hosts
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert persist_process._keep_mappings()  # one rank on this host (torchrun)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not persist_process._keep_mappings()
+    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "1")
+    assert persist_process._keep_mappings()  # said so
+    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not persist_process._keep_mappings()
+
+
 def _pythonpath() -> str:
     """The package's sources first, then whatever the parent had (installed wheels on the GPU host)."""
     return os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")) if p)

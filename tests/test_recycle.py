@@ -12,6 +12,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -22,6 +23,26 @@ from checkpointd.storage import Store
 pytestmark = pytest.mark.skipif(recycle._F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 BIN = recycle.BIN_NAME
+
+
+@pytest.fixture(params=["auto", "mmap"])
+def write_mode(request, monkeypatch):
+    """How the persist process fills files: ``auto`` (positional writes here, on a disk) or ``mmap``
+    (as on tmpfs: the process keeps each file's mapping, so retention must ask it whether a retired
+    file is in use)."""
+    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", request.param)
+    return request.param
+
+
+def _persist_mappings(root) -> list[str]:
+    """The persist process's mappings of files under ``root`` (deleted ones included)."""
+    from checkpointd import persist_process
+
+    process = persist_process._client
+    if process is None or not process.alive:
+        return []
+    with open(f"/proc/{process.proc.pid}/maps") as f:
+        return [line.split(None, 5)[5].strip() for line in f if str(root) in line]
 
 
 def _state(seed: float = 0.0):
@@ -48,7 +69,7 @@ def _digest(path) -> str:
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression):
+def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode):
     model = _state()
     seen_inodes: list[set[int]] = []
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1,
@@ -66,9 +87,16 @@ def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compress
             assert len(binned) == (0 if step == 0 else len(steps)), files
             expected = model.weight.detach().clone()
             assert torch.equal(load(tmp_path, step=step)["model"]["weight"], expected)
-    # step 2 was written over step 0's files, step 3 over step 1's
+            if write_mode == "mmap" and compression is None:  # the persist process keeps its mappings
+                assert {p for p in _persist_mappings(tmp_path) if "(deleted)" not in p} >= {
+                    str(tmp_path / k) for k in steps}
+    # step 2 was written over step 0's files, step 3 over step 1's (with mappings kept too)
     assert seen_inodes[2] == seen_inodes[0] and seen_inodes[3] == seen_inodes[1]
     assert sorted(os.listdir(tmp_path)) == ["step-000000003"]  # close() emptied and removed the bin
+    deadline = time.monotonic() + 10
+    while any("(deleted)" in p for p in _persist_mappings(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in _persist_mappings(tmp_path) if "(deleted)" in p]  # the bin's pages are freed
     fresh = _state(1.0)
     with CheckpointManager(tmp_path, {"model": fresh}) as mgr:
         assert mgr.restore_latest() == 3
@@ -81,7 +109,7 @@ def _step_file(root, step: int) -> str:
 
 
 @pytest.mark.parametrize("holder", ["fd_here", "mapping", "other_process", "hard_link"])
-def test_a_retired_file_in_use_is_deleted_not_overwritten(tmp_path, holder):
+def test_a_retired_file_in_use_is_deleted_not_overwritten(tmp_path, holder, write_mode):
     model = _state()
     keep = []
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:

@@ -47,6 +47,13 @@ is refused. Measured on an H200 host: 16 threads writing one tmpfs file at nice 
 steps 0-2.5 ms against 10-16 ms at nice 0; on 2x H200 (FSDP2, two persist processes of 32 threads on
 32 cores, nice 10) the steps during the write still cost ~6 ms each."""
 
+KEEP_MAPPINGS_ENV = "CHECKPOINTD_KEEP_MAPPINGS"
+"""Whether the persist process keeps each file's mapping after writing it, for the next save into the
+same (recycled) file (``persist_process_main._KeptFile``): ``1`` or ``0``; by default on where this host
+runs one rank. Where it runs several, rank 0's retention retires the other ranks' files too, and it
+can ask only its own process whether a file is in use: another rank's kept mapping would make every
+one of that rank's files look in use, and they would be deleted instead of recycled."""
+
 _MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "persist_process_main.py")
 
 
@@ -65,8 +72,10 @@ class PersistProcess:
             nice = int(os.environ.get(PERSIST_NICE_ENV, "") or 10)
         except ValueError:
             nice = 10
+        self.keeps_mappings = _keep_mappings()
+        """Whether the process keeps each written file's mapping (:data:`KEEP_MAPPINGS_ENV`)."""
         args = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), _MAIN,
-                str(child.fileno()), str(threads), str(nice), str(slice_bytes)]
+                str(child.fileno()), str(threads), str(nice), str(slice_bytes), str(int(self.keeps_mappings))]
         try:
             self.proc = subprocess.Popen(args, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
         except BaseException:
@@ -78,6 +87,8 @@ class PersistProcess:
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._pending: dict[int, Future[Any]] = {}
+        self._queries: set[int] = set()
+        """Pending requests that write nothing (``exclusive``): not counted in :attr:`writes_done`."""
         self._ids = itertools.count(1)
         self._mapped: set[int] = set()
         self.alive = True
@@ -127,19 +138,34 @@ class PersistProcess:
         """
         return self._submit(("scatter", pieces), fd)
 
-    def _submit(self, request: tuple, fd: int) -> Future[Any]:
-        """Send ``request`` (its kind, then its arguments) with a new request id and ``fd``."""
+    def exclusive(self, st: os.stat_result, timeout: float = 10.0) -> bool | None:
+        """Whether the process keeps a mapping of the file ``st`` describes and that is its only open
+        file (``None``: it keeps none; ask the file system instead).
+
+        Why: the process keeps its mappings of written files for the next save into them
+        (:class:`checkpointd.persist_process_main._KeptFile`), so the file looks open to a lease taken
+        here; the process takes it on its own descriptor (:func:`checkpointd.recycle.Retirement.retire`).
+        """
+        future = self._submit(("exclusive", st.st_dev, st.st_ino), None)
+        result = future.result(timeout=timeout)
+        return None if result is None else bool(result)
+
+    def _submit(self, request: tuple, fd: int | None) -> Future[Any]:
+        """Send ``request`` (its kind, then its arguments) with a new request id and ``fd`` (if any)."""
         future: Future[Any] = Future()
         request_id = next(self._ids)
         with self._state_lock:
             if not self.alive:
                 raise PersistProcessError("the persist process has exited")
             self._pending[request_id] = future
+            if fd is None:
+                self._queries.add(request_id)
         try:
-            self._send((request[0], request_id, *request[1:]), [fd])
+            self._send((request[0], request_id, *request[1:]), None if fd is None else [fd])
         except BaseException:
             with self._state_lock:
                 self._pending.pop(request_id, None)
+                self._queries.discard(request_id)
             raise
         return future
 
@@ -181,10 +207,13 @@ class PersistProcess:
                     break
                 with self._state_lock:
                     future = self._pending.pop(message[1], None)
+                    query = message[1] in self._queries
+                    self._queries.discard(message[1])
                 if future is None:
                     continue
                 if message[0] == "ok":
-                    self.writes_done += 1
+                    if not query:
+                        self.writes_done += 1
                     future.set_result(message[2])
                 elif message[0] == "oserror":
                     future.set_exception(OSError(message[2], f"persist process: {message[3]}"))
@@ -246,6 +275,20 @@ threads a rank instead of 16 wrote in 0.53 s instead of 0.30 s and did not lower
 measurably; a knob for hosts where the writing competes with other work."""
 
 
+def _keep_mappings() -> bool:
+    """:data:`KEEP_MAPPINGS_ENV` if set, else whether this host runs one rank (``LOCAL_WORLD_SIZE``, or
+    ``WORLD_SIZE`` without it)."""
+    value = os.environ.get(KEEP_MAPPINGS_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "") or 0)
+        world = int(os.environ.get("WORLD_SIZE", "") or 1)
+    except ValueError:
+        return False
+    return local == 1 if local > 0 else world <= 1
+
+
 def _threads(io_threads: int) -> int:
     """``CHECKPOINTD_PERSIST_THREADS``, else the I/O pool's size shared by the ranks of this host
     (``LOCAL_WORLD_SIZE``, set by ``torchrun``), at least 4.
@@ -270,6 +313,19 @@ def forget_slab(slab_id: int) -> None:
     current = _client
     if current is not None and current.alive:
         current.unmap_slab(slab_id)
+
+
+def holds_only_open(st: os.stat_result) -> bool | None:
+    """For retention's check that nothing else uses a retired file (:mod:`checkpointd.recycle`): the
+    running persist process's answer (:meth:`PersistProcess.exclusive`), ``None`` where none runs, it
+    keeps no mapping of that file, or it does not answer."""
+    current = _client
+    if current is None or not current.alive:
+        return None
+    try:
+        return current.exclusive(st)
+    except Exception:  # noqa: BLE001 - gone, or too slow: the file system decides (and a kept mapping makes it refuse)
+        return None
 
 
 def shutdown() -> None:
@@ -300,4 +356,5 @@ atexit.register(shutdown)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
-__all__ = ["PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "client", "forget_slab", "shutdown"]
+__all__ = ["KEEP_MAPPINGS_ENV", "PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "client", "forget_slab",
+           "holds_only_open", "shutdown"]

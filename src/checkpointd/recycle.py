@@ -20,7 +20,9 @@ What keeps this safe:
   retired checkpoint keeps reading intact bytes, as it would after a deletion): checked with a write
   lease (``F_SETLEASE``), which the kernel grants only when no other open file refers to the file.
   The check runs after the file left its step directory (no new opener can find it) and before it
-  gets a name that savers take (``*.bin``; until then ``*.checking``).
+  gets a name that savers take (``*.bin``; until then ``*.checking``). The persist process keeps its
+  mapping of each file it wrote (``persist_process_main._KeptFile``), so it takes that lease on its
+  own descriptor; only for files it keeps no mapping of is the lease taken here.
   Where leases are not available (not Linux, a network file system), files are deleted as before.
 - Files with other hard links are deleted, never recycled.
 - A recycled file sits in a step directory that has no commit marker until every byte of the new save
@@ -72,9 +74,21 @@ def bin_for(store: Any) -> str | None:
 
 
 def _exclusive(path: str) -> bool:
-    """True if no open file other than ours refers to ``path`` (a write lease is granted only then)."""
+    """True if no open file other than ours refers to ``path`` (a write lease is granted only then).
+
+    The persist process keeps its mapping of each file it wrote (for the next save into it), so it is
+    asked first: it takes the lease on its own descriptor. Only where it keeps none is the lease taken here.
+    """
     if _F_SETLEASE is None:
         return False
+    from . import persist_process
+
+    try:
+        held = persist_process.holds_only_open(os.stat(path))
+    except OSError:
+        return False
+    if held is not None:
+        return held
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
