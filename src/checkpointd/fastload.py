@@ -21,7 +21,6 @@ usual errors (``UnsafeCheckpointError``, ``CorruptCheckpointError``).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import mmap
@@ -33,7 +32,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from . import ptlayout
+from . import pagemem, ptlayout
 from .crc import crc32, crc32_combine
 from .checksum import format_crc
 from .streams import SeekableReader, byte_view
@@ -90,7 +89,6 @@ MMAP_ENV = "CHECKPOINTD_RESTORE_MMAP"
 when CUDA is available; ``1``: map every local file; ``0``: always read."""
 MMAP_MIN_BYTES = 64 << 20
 _MEMORY_FS = ("tmpfs", "ramfs")
-_MADV_POPULATE_READ = 22  # Linux 5.14+: map the pages read-only without faulting one by one
 
 
 def _fs_type(path: str) -> str | None:
@@ -130,29 +128,6 @@ def use_mmap(path: str, size: int) -> bool:
     return size >= MMAP_MIN_BYTES and torch.cuda.is_available() and _fs_type(path) in _MEMORY_FS
 
 
-def _populate(addr: int, length: int) -> None:
-    """Best effort ``madvise(MADV_POPULATE_READ)`` (ctypes releases the GIL); faults do it otherwise."""
-    fn = _libc_madvise()
-    if fn is not None:
-        fn(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ)
-
-
-_MADVISE: list[Any] = []
-
-
-def _libc_madvise() -> Any:
-    if not _MADVISE:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _MADVISE.append(fn)
-        except (OSError, AttributeError):
-            _MADVISE.append(None)
-    return _MADVISE[0]
-
-
 MAP_CRC_BYTES = 32 << 20
 """A mapped file is checksummed in ranges of this size, one CRC call each. Each call drops and retakes
 the GIL, and with 16 threads each retake waits its turn: on a 16-core H200 host 4.8 GB took 84 ms in
@@ -162,7 +137,7 @@ CRC follows each slice's read while the slice is in cache.)"""
 
 def _crc_task(buf: torch.Tensor, view: memoryview, start: int, stop: int) -> int:
     """CRC-32 of the mapped bytes ``[start, stop)`` in one call, populating the range's page tables first."""
-    _populate(buf.data_ptr() + start, stop - start)
+    pagemem.populate_read(buf.data_ptr() + start, stop - start)
     return crc32(view[start:stop], 0)
 
 

@@ -11,7 +11,12 @@ Why this shape:
   would nearly double host memory for a 5 GB state. Registration costs ~0.5 s/GiB, so arenas are
   prepared ahead on a background thread (the manager starts it at the end of the first restore, the
   first ``maybe_save`` call or the first optimizer step, and again when optimizer state first exists),
-  off the training thread's critical path. That thread also does the first save's other one-time work:
+  off the training thread's critical path. Its pages are allocated first (``MADV_POPULATE_WRITE``,
+  :mod:`checkpointd.pagemem`), then registered: registering fresh pages allocated them inside the
+  driver call, and the training thread's CUDA calls waited for it (H200 host, 4.83 GB: one step of
+  1.7-2.8 s; populated first, 0.28-0.37 s; ``benchmarks/RESULTS.md`` session 17). Either way the whole
+  preparation takes ~2.5 s for 4.83 GB: a first save sooner than that after training starts waits
+  for the rest of it. That thread also does the first save's other one-time work:
   it pickles the new arena's buffers once (the manager's ``on_arena_ready``: the reduction cache is
   then warm) and, with device staging, launches the clone's kernel once (CUDA loads it lazily).
 - **Device staging clones on the side stream too.** With ``device_staging_budget_bytes`` the live
@@ -43,6 +48,7 @@ Why this shape:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,12 +56,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import sharedmem
+from . import pagemem, sharedmem
 from .chunkstream import ChunkStream, host_waited_event
 
 logger = logging.getLogger("checkpointd")
 
 ALIGN_BYTES = 64
+POPULATE_STAGING_ENV = "CHECKPOINTD_POPULATE_STAGING"
+"""``0``: page-lock a new arena's fresh pages as they are (the driver then allocates them inside
+``cudaHostRegister``); default: allocate them first (:func:`checkpointd.pagemem.populate_write`)."""
 DEVICE_PACE_BYTES = 512 << 20
 """Device staging: bytes of device-to-host copy queued per training-thread hook (two per step), so a
 step's share of the copy runs under its own compute instead of delaying a later synchronisation."""
@@ -154,6 +163,8 @@ class StagingArena:
         self.pinned = False
         self._registered_ptr: int | None = None
         if pin and total:
+            if os.environ.get(POPULATE_STAGING_ENV, "1").strip() != "0":
+                pagemem.populate_write(self._slab.data_ptr(), self._slab.nbytes)  # see pagemem: not inside the registration
             self.pinned = self._register_pinned()
         flat = self._slab.numpy()
         self.buffers: list[torch.Tensor] = []
