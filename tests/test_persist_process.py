@@ -212,6 +212,11 @@ def _mappings(pid: int, path: Path) -> int:
         return sum(1 for line in f if line.rstrip("\n").endswith((str(path), f"{path} (deleted)")))
 
 
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
 def _write_once(process: persist_process.PersistProcess, path: Path, slab: sharedmem.SharedSlab, payload: bytes) -> None:
     slab.array[: len(payload)] = memoryview(payload)
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
@@ -232,9 +237,13 @@ def test_a_file_written_again_keeps_its_mapping_until_it_is_deleted(tmp_path: Pa
     slab = sharedmem.SharedSlab(2 << 20)
     path, other = tmp_path / "kept.bin", tmp_path / "other.bin"
     try:
-        for _ in range(2):  # two saves into one file: one mapping, kept
+        faults = []
+        for _ in range(3):  # saves into one file: one mapping, kept
+            before = _minor_faults(process.proc.pid)
             _write_once(process, path, slab, os.urandom(2 << 20))
+            faults.append(_minor_faults(process.proc.pid) - before)
             assert _mappings(process.proc.pid, path) == 1
+        assert faults[0] >= 256 and faults[2] < 64, faults  # the first write faults the file's 512 pages in; later ones find them
         assert process.exclusive(os.stat(path)) is True  # its own descriptor only
         with open(path, "rb"):
             assert process.exclusive(os.stat(path)) is False  # opened elsewhere: retention must not reuse it

@@ -19,6 +19,9 @@ the same bytes are written by the in-process threads instead (logged once): slow
 
 One process serves the whole training process (all managers); it starts with the first shared
 staging arena and exits when its socket closes (the training process exited) or at interpreter exit.
+It keeps its mapping of each file it filled through one, for the next save into that file
+(:data:`KEEP_MAPPINGS_ENV`); those files' pages then count in its resident memory, though they are the
+files' own (no extra memory but page tables).
 ``CHECKPOINTD_PERSIST_PROCESS=0`` turns shared staging, and so this process, off.
 """
 

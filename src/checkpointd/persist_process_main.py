@@ -31,7 +31,6 @@ The process exits when the socket closes (its parent exited or closed it) or on 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import importlib.util
 import marshal
 import mmap
@@ -42,6 +41,11 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the process never runs there (it needs memfd), but this module is imported
+    fcntl = None  # type: ignore[assignment]
 
 HEADER = struct.Struct("<Q")
 MAX_FDS = 4
@@ -145,6 +149,8 @@ class _KeptFile:
 
     def exclusive(self) -> bool:
         """No open file of this file but ours (a write lease is granted only then)."""
+        if fcntl is None or not hasattr(fcntl, "F_SETLEASE"):
+            return False
         try:
             fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         except OSError:
@@ -159,6 +165,18 @@ class _KeptFile:
         self.anchor = None
         self.mapping.close()
         os.close(self.fd)
+
+
+def _same_file(fd: int, st: os.stat_result) -> bool:
+    """``fd`` is open on the live file ``st`` describes: same device and inode number (which a deleted
+    file, or a 32-bit tmpfs inode counter that wrapped, could share), linked, and the same change time
+    and size (one inode read twice in a row)."""
+    try:
+        mine = os.fstat(fd)
+    except OSError:
+        return False
+    return (mine.st_nlink > 0 and (mine.st_dev, mine.st_ino, mine.st_ctime_ns, mine.st_size)
+            == (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
 
 
 class Server:
@@ -286,8 +304,8 @@ class Server:
         st = os.fstat(fd)
         with self.kept_lock:
             entry = self.kept.pop((st.st_dev, st.st_ino), None)
-        if entry is not None and (entry.nbytes < end or entry.unlinked()):
-            entry.close()  # too small, or a deleted file whose inode number came back: never written into
+        if entry is not None and (entry.nbytes < end or not _same_file(entry.fd, st)):
+            entry.close()  # too small, or another file under a reused inode number: never written into
             entry = None
         return entry if entry is not None else _KeptFile(fd, end)
 
