@@ -286,7 +286,8 @@ def summarise(res: dict) -> str:
              "   checkpoints' windows of a run without checkpoints (placebo);\n"
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
              "x 1gpu = mean stall / the single GPU's\n")
-    warnings = drift_warnings(res)
+    warnings = drift_warnings(res) + [f"rank {rk['rank']}: {w}" for rk in res.get("ranks", [])
+                                      if (w := S.outside_warning(rk["runs"]))]
     profiles = [f"rank {rk['rank']} " + text for rk in res["ranks"] if (text := S.slow_step_lines(rk["runs"]))]
     return (head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
             + "".join("\n" + w for w in warnings) + "".join("\n" + p for p in profiles))

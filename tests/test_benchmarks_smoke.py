@@ -181,6 +181,32 @@ def test_bench_stall_warns_when_the_loops_step_time_drifts() -> None:
     assert bench_stall.drift_warning([{"method": "none"}]) is None  # nothing measured: nothing to say
 
 
+def test_bench_stall_names_long_steps_outside_every_stall_window() -> None:
+    """A cost paid outside the save step and the 20 after it is in no stall number: named under the table
+    (the staging buffers' page-locking held step 2 of every stored checkpointd run; RESULTS.md, session 17)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_stall
+    finally:
+        sys.path.remove(str(BENCH))
+    every, steps = 30, 89
+    base = [0.010] * steps
+    blocked = list(base)
+    blocked[0] = 0.050  # every run's first step is slow: never named
+    blocked[1] = 2.0  # step 2: outside every window
+    blocked[30] = 0.500  # step 31, inside the first save's window: the stall counts it
+    runs = [{"method": "none", "step_s": list(base), "saves": []},
+            {"method": "checkpointd", "step_s": blocked, "saves": [30, 60]},
+            {"method": "checkpointd_device", "step_s": list(base), "saves": [30, 60]}]
+    runs[2]["step_s"][0] = 0.080
+    bench_stall.analyse(runs, every, steps)
+    assert runs[1]["longest_outside_step"] == 2 and abs(runs[1]["longest_outside_ms"] - 1990.0) < 1e-6
+    assert runs[1]["stall_ms"][0] > 480  # the slow step in the window is in the stall, not in the note
+    note = bench_stall.outside_warning(runs)
+    assert note is not None and "checkpointd 1990.0 ms above the median at step 2" in note
+    assert "checkpointd_device" not in note and "none" not in note
+
+
 def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
     sys.path.insert(0, str(BENCH))
     try:
