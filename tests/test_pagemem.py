@@ -45,3 +45,14 @@ def test_populate_read_maps_without_error_and_missing_madvise_is_harmless(monkey
         pagemem.populate_read(slab.address, 1 << 20)
     finally:
         slab.release()
+
+
+def test_populate_on_several_threads_maps_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pagemem, "POPULATE_CHUNK_BYTES", 1 << 20)  # 32 chunks over 4 threads
+    slab = sharedmem.SharedSlab(NBYTES)
+    try:
+        if not pagemem.populate_write(slab.address, NBYTES, threads=4):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        assert _faults_touching_every_page(slab) < 64
+    finally:
+        slab.release()

@@ -462,6 +462,8 @@ class CheckpointManager:
             "pinned_bytes": self._snap.pinned_bytes,
             "staging_allocations": self._snap.arena_allocations,
             "staging_hook_wait_secs": self._snap.hook_wait_secs,
+            "staging_arena_wait_secs": self._snap.arena_wait_secs,
+            "staging_prepare_secs": self._snap.last_prepare_secs,
         })
         return out
 

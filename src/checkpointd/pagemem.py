@@ -45,11 +45,13 @@ def populate_read(addr: int, length: int) -> None:
         fn(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_POPULATE_READ)
 
 
-def populate_write(addr: int, length: int) -> bool:
+def populate_write(addr: int, length: int, threads: int = 1) -> bool:
     """Best effort: allocate and map every page of ``[addr, addr + length)`` writable, in chunks.
 
-    ``addr`` is rounded down to its page (madvise needs an aligned start). False where the kernel
-    refused (older than 5.14, or not a mapping it populates): the pages come by faults instead.
+    ``addr`` is rounded down to its page (madvise needs an aligned start). ``threads`` > 1 populates
+    chunks on that many threads at once (each call holds the memory map's lock for reading only, so
+    they run side by side). False where the kernel refused (older than 5.14, or not a mapping it
+    populates): the pages come by faults instead.
     """
     fn = _libc_madvise()
     if fn is None or length <= 0:
@@ -57,12 +59,17 @@ def populate_write(addr: int, length: int) -> bool:
     page = 4096
     start = addr - addr % page
     end = addr + length
-    while start < end:
-        n = min(POPULATE_CHUNK_BYTES, end - start)
-        if fn(ctypes.c_void_p(start), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
-            return False
-        start += n
-    return True
+    chunks = [(a, min(POPULATE_CHUNK_BYTES, end - a)) for a in range(start, end, POPULATE_CHUNK_BYTES)]
+
+    def one(chunk: tuple[int, int]) -> bool:
+        return fn(ctypes.c_void_p(chunk[0]), ctypes.c_size_t(chunk[1]), MADV_POPULATE_WRITE) == 0
+
+    if threads <= 1 or len(chunks) == 1:
+        return all(one(c) for c in chunks)  # stops at the first refusal
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(chunks)), thread_name_prefix="checkpointd-populate") as pool:
+        return all(list(pool.map(one, chunks)))
 
 
 __all__ = ["MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "populate_read", "populate_write"]

@@ -14,9 +14,11 @@ Why this shape:
   off the training thread's critical path. Its pages are allocated first (``MADV_POPULATE_WRITE``,
   :mod:`checkpointd.pagemem`), then registered: registering fresh pages allocated them inside the
   driver call, and the training thread's CUDA calls waited for it (H200 host, 4.83 GB: one step of
-  1.7-2.8 s; populated first, 0.28-0.37 s; ``benchmarks/RESULTS.md`` session 17). Either way the whole
-  preparation takes ~2.5 s for 4.83 GB: a first save sooner than that after training starts waits
-  for the rest of it. That thread also does the first save's other one-time work:
+  1.7-2.8 s; populated first, 0.15-0.37 s; ``benchmarks/RESULTS.md`` sessions 17-18). The pages are
+  allocated on four threads, and the registration goes in pieces of 256 MiB with pauses between
+  them, so no step waits for more than one piece (:meth:`StagingArena._register_pinned`). The whole
+  preparation took 2.6 s for 4.83 GB (H100) and 8.9 s for 20 GB (H200): a first save sooner than that
+  waits for the rest of it (the pauses are then skipped). That thread also does the first save's other one-time work:
   it pickles the new arena's buffers once (the manager's ``on_arena_ready``: the reduction cache is
   then warm) and, with device staging, launches the clone's kernel once (CUDA loads it lazily).
 - **Device staging clones on the side stream too.** With ``device_staging_budget_bytes`` the live
@@ -65,6 +67,18 @@ ALIGN_BYTES = 64
 POPULATE_STAGING_ENV = "CHECKPOINTD_POPULATE_STAGING"
 """``0``: page-lock a new arena's fresh pages as they are (the driver then allocates them inside
 ``cudaHostRegister``); default: allocate them first (:func:`checkpointd.pagemem.populate_write`)."""
+REGISTER_PIECE_ENV = "CHECKPOINTD_REGISTER_PIECE_MB"
+"""Page-lock an arena in pieces of about this many MiB (``0``: in one call); see
+:meth:`StagingArena._register_pinned`."""
+REGISTER_PIECE_BYTES = 256 << 20
+REGISTER_PAUSE_ENV = "CHECKPOINTD_REGISTER_PAUSE"
+"""After each piece, pause this many times as long as the piece took (``0``: no pause)."""
+REGISTER_PAUSE = 3.0
+POPULATE_THREADS_ENV = "CHECKPOINTD_POPULATE_THREADS"
+"""Threads allocating a new arena's pages (:func:`checkpointd.pagemem.populate_write`); default
+:data:`POPULATE_THREADS`, fewer where the host's cores are shared by more ranks (``LOCAL_WORLD_SIZE``)."""
+POPULATE_THREADS = 4
+PAGE_BYTES = 4096
 DEVICE_PACE_BYTES = 512 << 20
 """Device staging: bytes of device-to-host copy queued per training-thread hook (two per step), so a
 step's share of the copy runs under its own compute instead of delaying a later synchronisation."""
@@ -107,6 +121,74 @@ def _span_elems(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: expected a number >= 0")
+    return value
+
+
+def register_piece_bytes() -> int:
+    """Bytes per page-locking call (``CHECKPOINTD_REGISTER_PIECE_MB``; 0: the whole arena at once)."""
+    return int(_env_number(REGISTER_PIECE_ENV, REGISTER_PIECE_BYTES / (1 << 20)) * (1 << 20))
+
+
+def register_pause() -> float:
+    return _env_number(REGISTER_PAUSE_ENV, REGISTER_PAUSE)
+
+
+def populate_threads() -> int:
+    """At most :data:`POPULATE_THREADS`, and no more than a quarter of this rank's share of the cores."""
+    if os.environ.get(POPULATE_THREADS_ENV, "").strip():
+        return max(1, int(_env_number(POPULATE_THREADS_ENV, POPULATE_THREADS)))
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // (4 * local_ranks)))
+
+
+def arena_layout(specs: Sequence[TensorSpec], piece_bytes: int) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """``(offsets, total, pieces)``: where each tensor's buffer starts in the arena, its size, and the
+    byte ranges it is page-locked in.
+
+    Buffers are packed at :data:`ALIGN_BYTES`. With ``piece_bytes`` > 0 they are grouped into pieces
+    of at most that size (a larger buffer is a piece of its own): every piece starts on a page and no
+    buffer crosses into the next one, because a device-to-host copy is asynchronous only into memory
+    that one registration covers, and two registrations must not share a page.
+    """
+    offsets: list[int] = []
+    pieces: list[tuple[int, int]] = []
+    total = piece_start = 0
+    for shape, stride, dtype in specs:
+        nbytes = _span_elems(shape, stride) * dtype.itemsize
+        padded = (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        if piece_bytes > 0 and total > piece_start and total + padded - piece_start > piece_bytes:
+            total = (total + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+            pieces.append((piece_start, total))
+            piece_start = total
+        offsets.append(total)
+        total += padded
+    if total > piece_start:
+        pieces.append((piece_start, total))
+    return offsets, total, pieces
+
+
+def _private_slab(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of private anonymous memory, page-aligned (``torch.empty`` aligns to 64 bytes only)."""
+    import mmap
+
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8))
+
+
 def _shared_slab(nbytes: int) -> "sharedmem.SharedSlab | None":
     """A shared slab lent to the persist process (started here, off the training thread), or None."""
     from . import persist_process
@@ -146,26 +228,37 @@ def _warm_device_clone(buffers: list[torch.Tensor]) -> None:
 class StagingArena:
     """One host allocation holding a buffer for each tensor of a given layout signature."""
 
-    def __init__(self, specs: Sequence[TensorSpec], pin: bool, shared: bool | None = None) -> None:
-        """``shared``: in shared memory for the persist process (default: where it runs, see :mod:`checkpointd.sharedmem`)."""
+    def __init__(self, specs: Sequence[TensorSpec], pin: bool, shared: bool | None = None,
+                 hurry: threading.Event | None = None) -> None:
+        """``shared``: in shared memory for the persist process (default: where it runs, see
+        :mod:`checkpointd.sharedmem`). ``hurry``: once set (a save is waiting for this arena), the
+        pauses between the pieces it is page-locked in are skipped."""
         self.specs = tuple(specs)
-        offsets, total = [], 0
-        for shape, stride, dtype in self.specs:
-            offsets.append(total)
-            nbytes = _span_elems(shape, stride) * dtype.itemsize
-            total += (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        self._hurry = hurry
+        offsets, total, pieces = arena_layout(self.specs, register_piece_bytes() if pin else 0)
         self.nbytes = total
+        self.pieces = pieces
+        """``(start, stop)`` byte ranges page-locked one at a time (see :func:`arena_layout`)."""
         self._shared = _shared_slab(total) if (sharedmem.supported() if shared is None else shared) and total else None
         if self._shared is not None:
             self._slab = torch.from_numpy(self._shared.array)
+        elif pin and total:
+            self._slab = _private_slab(total)  # page-aligned, like a shared slab: the pieces start on pages
         else:
             self._slab = torch.empty(max(total, 1), dtype=torch.uint8)
         self.pinned = False
-        self._registered_ptr: int | None = None
+        self._registered: list[int] = []
+        self.prepare_secs: dict[str, float] = {}
+        """Seconds this arena's preparation took: ``populate`` (allocating its pages) and ``register``
+        (page-locking them, pauses included), for the manager's stats and the benchmarks."""
         if pin and total:
+            t0 = time.perf_counter()
             if os.environ.get(POPULATE_STAGING_ENV, "1").strip() != "0":
-                pagemem.populate_write(self._slab.data_ptr(), self._slab.nbytes)  # see pagemem: not inside the registration
+                # see pagemem: allocated here, not inside the registration
+                pagemem.populate_write(self._slab.data_ptr(), self._slab.nbytes, threads=populate_threads())
+            t1 = time.perf_counter()
             self.pinned = self._register_pinned()
+            self.prepare_secs = {"populate": t1 - t0, "register": time.perf_counter() - t1}
         flat = self._slab.numpy()
         self.buffers: list[torch.Tensor] = []
         for (shape, stride, dtype), off in zip(self.specs, offsets):
@@ -178,25 +271,55 @@ class StagingArena:
         self.busy = False
 
     def _register_pinned(self) -> bool:
+        """Page-lock the arena piece by piece, pausing after each piece as long as it took.
+
+        Why pieces: the driver holds the training thread's CUDA calls while it registers memory. In one
+        call, the 4.83 GB reference arena held them for 0.15-0.37 s and a 20 GB one for ~1 s: one
+        step that much longer (H200, sessions 17-18). A 256 MiB piece holds them for a few
+        milliseconds, and the pause (3x the piece's time by default) lets the GPU's queue refill in
+        between: the same registration then cost the steps around it ~40 ms in all at 4.83 GB and
+        ~150 ms at 20 GB, no step more than ~13 ms longer (``benchmarks/RESULTS.md``, session 18).
+        The pauses stretch the preparation (20 GB: ~4.7 s instead of ~1 s), so a save that has to
+        wait for the arena sets ``hurry`` and the rest is registered without them.
+        """
+        base = self._slab.data_ptr()
+        pause = register_pause()
         try:
-            ptr = self._slab.data_ptr()
-            err = torch.cuda.cudart().cudaHostRegister(ptr, self._slab.nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister returned {err}")
-            self._registered_ptr = ptr
+            for k, (start, stop) in enumerate(self.pieces):
+                t0 = time.perf_counter()
+                self._register_piece(base + start, stop - start)
+                self._registered.append(base + start)
+                if pause > 0 and k + 1 < len(self.pieces):
+                    self._pause(pause * (time.perf_counter() - t0))
             return True
         except Exception as exc:  # fall back to pageable memory: correct, just slower copies
+            self._unregister()
             logger.warning("checkpointd: could not pin %d bytes of staging memory (%s); using pageable memory", self._slab.nbytes, exc)
             return False
 
-    def release(self) -> None:
-        """Unpin; the memory itself goes when the last reference does."""
-        if self._registered_ptr is not None:
+    def _pause(self, secs: float) -> None:
+        if self._hurry is None:
+            time.sleep(secs)
+        else:
+            self._hurry.wait(secs)  # returns at once when a save is waiting
+
+    @staticmethod
+    def _register_piece(ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {err}")
+
+    def _unregister(self) -> None:
+        for ptr in self._registered:
             try:
-                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+                torch.cuda.cudart().cudaHostUnregister(ptr)
             except Exception:  # pragma: no cover
                 pass
-            self._registered_ptr = None
+        self._registered = []
+
+    def release(self) -> None:
+        """Unpin; the memory itself goes when the last reference does."""
+        self._unregister()
         if self._shared is not None:
             self._shared.release()
         self.buffers = []
@@ -413,6 +536,8 @@ class Snapshotter:
         self._max_arenas = max(1, max_arenas)
         self._lock = threading.Lock()
         self._preparing: dict[tuple[TensorSpec, ...], threading.Thread] = {}
+        self._hurry: dict[tuple[TensorSpec, ...], threading.Event] = {}
+        """Per arena in preparation: set when a save waits for it (its registration skips the pauses)."""
         self._streams: dict[int, Any] = {}
         self._inflight: list[PendingCopies] = []
         self.has_step_hooks = False
@@ -420,6 +545,10 @@ class Snapshotter:
         tells the committer that the training thread moved on, see ``PendingCopies.training_waits``)."""
         self.pinned_bytes = 0
         self.arena_allocations = 0
+        self.arena_wait_secs = 0.0
+        """Seconds saves waited for an arena still being prepared (a first save soon after the start)."""
+        self.last_prepare_secs: dict[str, float] = {}
+        """The latest pinned arena's :attr:`StagingArena.prepare_secs`."""
         if host_budget_bytes is not None and self.cuda:
             self._prepare_ring_async()  # layout-independent: allocate and pin it now, in the background
         if host_budget_bytes is not None and not self.cuda and not STREAM_CPU_TENSORS:
@@ -449,13 +578,16 @@ class Snapshotter:
             thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device, pin),
                                       name="checkpointd-arena", daemon=True)
             self._preparing[key] = thread
+            self._hurry[key] = threading.Event()
         thread.start()
 
     def _prepare(self, key: tuple[TensorSpec, ...], device_key: tuple[TensorSpec, ...] = (),
                  cuda_device: torch.device | None = None, pin: bool | None = None) -> None:
         try:
             if key:
-                arena = StagingArena(key, pin=self.cuda if pin is None else pin)
+                with self._lock:
+                    hurry = self._hurry.get(key)
+                arena = StagingArena(key, pin=self.cuda if pin is None else pin, hurry=hurry)
                 with self._lock:
                     self._add_arena(arena)
                 if self.on_arena_ready is not None:
@@ -470,6 +602,7 @@ class Snapshotter:
         finally:
             with self._lock:
                 self._preparing.pop(key, None)
+                self._hurry.pop(key, None)
 
     def _ensure_device_arena(self, key: tuple[TensorSpec, ...], device: torch.device) -> list[torch.Tensor] | None:
         """The reused GPU staging buffers for ``key``; None when they would exceed the budget."""
@@ -492,6 +625,7 @@ class Snapshotter:
         self.arena_allocations += 1
         if arena.pinned:
             self.pinned_bytes += arena.nbytes
+            self.last_prepare_secs = dict(arena.prepare_secs, pieces=len(arena.pieces))
         self._arenas.append(arena)
         # Drop idle arenas of other layouts beyond the budget (a layout change, e.g. optimizer state appearing).
         while len(self._arenas) > self._max_arenas:
@@ -507,8 +641,13 @@ class Snapshotter:
     def _acquire(self, specs: tuple[TensorSpec, ...], pin: bool | None = None) -> StagingArena:
         with self._lock:
             thread = self._preparing.get(specs)
+            hurry = self._hurry.get(specs)
         if thread is not None:
+            if hurry is not None:
+                hurry.set()
+            t0 = time.perf_counter()
             thread.join()
+            self.arena_wait_secs += time.perf_counter() - t0
         with self._lock:
             for arena in self._arenas:
                 if arena.specs == specs and not arena.busy:
@@ -531,6 +670,8 @@ class Snapshotter:
     def close(self) -> None:
         with self._lock:
             threads = list(self._preparing.values())
+            for hurry in self._hurry.values():
+                hurry.set()  # nothing to leave room for any more: register the rest without pauses
         if self._ring_thread is not None:
             threads.append(self._ring_thread)
         for t in threads:

@@ -325,3 +325,38 @@ def test_small_snapshots_plan_at_once(tmp_path, monkeypatch):
         _train_step(model, opt)
         mgr.wait()
         assert "plan_wait_secs" not in mgr.stats()["last_save"]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_arena_page_locked_in_pieces_copies_async_and_bit_exact(monkeypatch, shared):
+    """Every buffer of an arena registered in many pieces is pinned memory to CUDA (an asynchronous
+    device-to-host copy lands in it), none crosses a piece, and the copies are bit-exact."""
+    from checkpointd import sharedmem
+    from checkpointd.snapshot import StagingArena, tensor_spec
+
+    if shared and not sharedmem.supported():
+        pytest.skip("no shared staging memory here")
+    monkeypatch.setenv("CHECKPOINTD_REGISTER_PIECE_MB", "1")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sources = [torch.randn(n, device="cuda", generator=g) for n in (3, 70_000, 300_000, 1000, 600_000, 5)]
+    sources.append(torch.randn(8, 16, 9, 9, device="cuda", generator=g).to(memory_format=torch.channels_last))
+    arena = StagingArena([tensor_spec(t) for t in sources], pin=True, shared=shared)
+    try:
+        assert arena.pinned and len(arena.pieces) >= 3, arena.pieces
+        base = arena.buffers[0].data_ptr()
+        for buf in arena.buffers:
+            start = buf.data_ptr() - base
+            assert buf.is_pinned(), "a buffer in a registered piece must be pinned to CUDA"
+            assert any(a <= start and start + buf.untyped_storage().nbytes() <= b for a, b in arena.pieces)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for src, dst in zip(sources, arena.buffers):
+                dst.copy_(src, non_blocking=True)
+        side.synchronize()
+        for src, dst in zip(sources, arena.buffers):
+            assert dst.stride() == src.stride()
+            assert torch.equal(dst, src.cpu())
+    finally:
+        arena.release()
+    assert arena._registered == []
