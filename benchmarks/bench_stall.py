@@ -729,6 +729,10 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
         if outside:  # what the stall does not count: e.g. the staging arena's page-locking (RESULTS.md, session 17)
             j = max(outside, key=lambda k: st[k])
             r["longest_outside_ms"], r["longest_outside_step"] = 1e3 * (st[j] - med), j + 1
+        s0 = r["saves"][0] if r["saves"] else every  # before the first save: what preparing the buffers cost, spread or not
+        pre = range(1, min(s0 - 1, len(st), n0))
+        if len(pre):
+            r["before_first_save_ms"] = 1e3 * sum(st[j] - st0[j] for j in pre)
         # steady state: after the first save's window (when persisting overlaps training), outside windows
         first = (r["saves"][0] - 1 + WINDOW) if r["saves"] else every - 1 + WINDOW
         steady = [j for j in range(first, min(len(st), len(st0))) if j not in in_window]
@@ -876,6 +880,8 @@ def summarise(res: dict) -> str:
                 if dcp_stall and dcp_stall > 0 and mean > 0 and base not in ("checkpointd_device", "checkpointd_host25"):
                     verdict.append(f"{dcp_stall / max(mean, 1e-9):.0f}x vs dcp")
                 row["target"] = ", ".join(verdict)
+        if "before_first_save_ms" in r:
+            row["pre"] = C.fmt(r["before_first_save_ms"])
         if "median_step_ms" in r:
             row["med"] = C.fmt(r["median_step_ms"], ".2f")
         if "steady_mean_ratio" in r:
@@ -898,7 +904,7 @@ def summarise(res: dict) -> str:
         persist_and_notes(r, row, 110)
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
-            ("clip", "stall+"), ("local", "local"), ("paired", "paired"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("med", "step ms"),
+            ("clip", "stall+"), ("local", "local"), ("paired", "paired"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("pre", "pre ms"), ("med", "step ms"),
             ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
             ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
             ("persist", "persist s"), ("target", "target"), ("note", "note")]
@@ -925,7 +931,8 @@ def summarise(res: dict) -> str:
              "   own noise adds to a stall); stall+ = same with negatives clipped; local = mean of the same windows against the median of\n"
              "   the 20 steps before each save (blind to drift between runs; a diagnostic, not the verdict); paired = each window minus the window\n"
              "   halfway to the next save in the same run (drift and the host's own stalls cancel; a diagnostic); save/+1/+2/rest = the stall's share on the save step,\n"
-             "   the next two steps and the 18 after (means); block = time inside the save call;\n"
+             "   the next two steps and the 18 after (means); block = time inside the save call; pre = sum over steps 2 to the one before the\n"
+             "   first save of (step - the `none` runs' same step): what preparing the staging buffers cost, spread over steps or not;\n"
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
              "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save\n")
@@ -958,6 +965,11 @@ def ckd_stats_lines(runs: list[dict]) -> str:
             s = {k: v for k, v in r["stats"].items() if not isinstance(v, (dict, list))}
             s.update({"last." + k: v for k, v in (r["stats"].get("last_save") or {}).items()})
             out.append(f"   {r['method']} stats(): " + ", ".join(f"{k}={C.fmt(v, '.4g')}" for k, v in s.items())[:600])
+            prep = r["stats"].get("staging_prepare_secs") or {}
+            if prep:
+                out.append(f"   {r['method']} staging arena: pages allocated in {C.fmt(prep.get('populate'), '.3f')} s, page-locked in "
+                           f"{C.fmt(prep.get('register'), '.3f')} s ({prep.get('pieces')} pieces); saves waited "
+                           f"{C.fmt(r['stats'].get('staging_arena_wait_secs'), '.3f')} s for it")
             if r.get("setup_s") is not None:
                 out.append(f"   {r['method']} construction {r['setup_s']:.2f} s, final wait {C.fmt(r.get('final_wait_s'), '.2f')} s, "
                            f"max non-save maybe_save {C.fmt(r.get('max_nonsave_call_ms'), '.3f')} ms")
