@@ -207,6 +207,35 @@ def test_bench_stall_names_long_steps_outside_every_stall_window() -> None:
     assert "checkpointd_device" not in note and "none" not in note
 
 
+def test_bench_stall_sums_a_spread_cost_before_the_first_save() -> None:
+    """Steps a little slower each (the arena page-locked in pieces: +10 ms over ten steps) pass under the
+    50 ms note but show in ``before_first_save_ms``; a run without them shows none."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_stall
+    finally:
+        sys.path.remove(str(BENCH))
+    every, steps = 30, 89
+    base = [0.010] * steps
+    spread = list(base)
+    for j in range(5, 15):
+        spread[j] += 0.010
+    spread[29] += 0.5  # the save step itself: in the stall, not before the first save
+    runs = [{"method": "none", "step_s": list(base), "saves": []},
+            {"method": "checkpointd", "step_s": spread, "saves": [30, 60]},
+            {"method": "checkpointd_device", "step_s": list(base), "saves": [30, 60]}]
+    for r in runs[1:]:
+        r["block_s"] = [0.003, 0.003]
+    bench_stall.analyse(runs, every, steps)
+    assert abs(runs[1]["before_first_save_ms"] - 100.0) < 1e-6
+    assert abs(runs[2]["before_first_save_ms"]) < 1e-6
+    assert bench_stall.outside_warning(runs) is None, "no single step is 50 ms slower"
+    assert "pre ms" in bench_stall.summarise({"runs": runs, "info": {"device": "cpu", "torch": "x", "date": "d"},
+                                              "workload": {"D": 1, "L": 1, "B": 1, "S": 1, "params": 1, "state_bytes": 1,
+                                                           "tensors": 1, "ckpts": 2, "every": every, "steps": steps,
+                                                           "dir": "d", "dir_fs": "tmpfs"}})
+
+
 def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
     sys.path.insert(0, str(BENCH))
     try:

@@ -271,7 +271,7 @@ class StagingArena:
         self.busy = False
 
     def _register_pinned(self) -> bool:
-        """Page-lock the arena piece by piece, pausing after each piece as long as it took.
+        """Page-lock the arena piece by piece, pausing after each (by default 3x as long as it took).
 
         Why pieces: the driver holds the training thread's CUDA calls while it registers memory. In one
         call, the 4.83 GB reference arena held them for 0.15-0.37 s and a 20 GB one for ~1 s: one
