@@ -277,8 +277,9 @@ class StagingArena:
         call, the 4.83 GB reference arena held them for 0.15-0.37 s and a 20 GB one for ~1 s: one
         step that much longer (H200, sessions 17-18). A 256 MiB piece holds them for a few
         milliseconds, and the pause (3x the piece's time by default) lets the GPU's queue refill in
-        between: the same registration then cost the steps around it ~40 ms in all at 4.83 GB and
-        ~150 ms at 20 GB, no step more than ~13 ms longer (``benchmarks/RESULTS.md``, session 18).
+        between: the same registration then cost the steps around it ~150 ms in all at 20 GB, no step
+        more than +13.5 ms (pauses as long as the pieces: 470-600 ms; at 4.83 GB 40-52 ms;
+        ``benchmarks/RESULTS.md``, session 18).
         The pauses stretch the preparation (20 GB: ~4.7 s instead of ~1 s), so a save that has to
         wait for the arena sets ``hurry`` and the rest is registered without them.
         """
