@@ -18,6 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
+def _bench_module(name: str):
+    """Import ``benchmarks/<name>.py`` (a script directory, not a package)."""
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -56,11 +67,7 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_slow_step_profile_sets_slow_steps_against_the_rest() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(BENCH))
+    common = _bench_module("common")
     steps = [0.010] * 9 + [0.030]  # one step 20 ms above the median
     deltas = {"wait_ms": [0.0] * 9 + [18.0], "pgfault": [2.0] * 10, "compact_stall": [0.0] * 10}
     prof = common.slow_step_profile(steps, deltas, over_ms=3.0)
@@ -164,11 +171,7 @@ def _drift_runs(medians: dict[str, float], base: float) -> list[dict]:
 
 
 def test_bench_stall_warns_when_the_loops_step_time_drifts() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_stall
-    finally:
-        sys.path.remove(str(BENCH))
+    bench_stall = _bench_module("bench_stall")
     # steady loop; a checkpointing method slower than the baseline is a cost, not drift
     assert bench_stall.drift_warning(_drift_runs({"none": 10.0, "checkpointd": 10.6, "none#2": 10.1}, 10.05)) is None
     # a method faster than the baseline: the loop itself sped up (session 15's 0.45 GB run)
@@ -184,11 +187,7 @@ def test_bench_stall_warns_when_the_loops_step_time_drifts() -> None:
 def test_bench_stall_names_long_steps_outside_every_stall_window() -> None:
     """A cost paid outside the save step and the 20 after it is in no stall number: named under the table
     (the staging buffers' page-locking held step 2 of every stored checkpointd run; RESULTS.md, session 17)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_stall
-    finally:
-        sys.path.remove(str(BENCH))
+    bench_stall = _bench_module("bench_stall")
     every, steps = 30, 89
     base = [0.010] * steps
     blocked = list(base)
@@ -210,11 +209,7 @@ def test_bench_stall_names_long_steps_outside_every_stall_window() -> None:
 def test_bench_stall_sums_a_spread_cost_before_the_first_save() -> None:
     """Steps a little slower each (the arena page-locked in pieces: +10 ms over ten steps) pass under the
     50 ms note but show in ``before_first_save_ms``; a run without them shows none."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_stall
-    finally:
-        sys.path.remove(str(BENCH))
+    bench_stall = _bench_module("bench_stall")
     every, steps = 30, 89
     base = [0.010] * steps
     spread = list(base)
@@ -237,11 +232,7 @@ def test_bench_stall_sums_a_spread_cost_before_the_first_save() -> None:
 
 
 def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_stall_dist
-    finally:
-        sys.path.remove(str(BENCH))
+    bench_stall_dist = _bench_module("bench_stall_dist")
     steady = _drift_runs({"none": 50.0, "checkpointd": 51.0, "none#2": 50.5}, 50.2)
     drifting = _drift_runs({"none": 44.3, "checkpointd": 48.1, "none#2": 45.9}, 44.8)  # session 16's rank 0
     res = {"ranks": [{"rank": 0, "runs": drifting}, {"rank": 1, "runs": steady}]}
@@ -256,11 +247,7 @@ def _stall_result(runs: dict[str, tuple[list[float], list[int]]], every: int = 1
 
 
 def test_analyse_bursts_counts_windows_by_card_and_method(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import analyse_bursts
-    finally:
-        sys.path.remove(str(BENCH))
+    analyse_bursts = _bench_module("analyse_bursts")
     flat = [10.0] * 40
     burst = list(flat)
     burst[10 - 1 + 7] += 25.0  # first save (step 10, index 9): +7 carries 25 ms

@@ -42,6 +42,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .lanes import local_ranks
+
 H2D_ENV = "CHECKPOINTD_RESTORE_H2D"
 THREADS_ENV = "CHECKPOINTD_RESTORE_THREADS"
 CHUNK_ENV = "CHECKPOINTD_RESTORE_CHUNK_MB"
@@ -68,11 +70,7 @@ def _threads() -> int:
     env = os.environ.get(THREADS_ENV)
     if env:
         return max(1, int(env))
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return min(16, max(2, (os.cpu_count() or 2) // local_ranks))
+    return min(16, max(2, (os.cpu_count() or 2) // local_ranks()))
 
 
 def _chunk_bytes() -> int:

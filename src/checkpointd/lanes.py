@@ -1,4 +1,5 @@
-"""Run callables on a thread pool, at most ``lanes`` at a time, results in order.
+"""Run callables on a thread pool, at most ``lanes`` at a time, results in order; and how many ranks
+share this host's cores (:func:`local_ranks`), which sizes every pool of threads the library starts.
 
 Why a module of its own: the persist process (:mod:`checkpointd.persist_process_main`) loads it by
 path, without the package (which imports torch), and :mod:`checkpointd.ptlayout` imports it; so it
@@ -7,6 +8,7 @@ uses the standard library only.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -49,4 +51,16 @@ def run_in_lanes(fns: list[Callable[[], Any]], pool: Executor, lanes: int) -> li
     return results
 
 
-__all__ = ["run_in_lanes"]
+def local_ranks() -> int:
+    """Ranks on this host (``LOCAL_WORLD_SIZE``, set by ``torchrun``; 1 without it or when unreadable).
+
+    Each rank starts its own threads (I/O, persist process, page population): dividing by this keeps
+    a host of several ranks from running several times as many threads as it has cores.
+    """
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+__all__ = ["local_ranks", "run_in_lanes"]

@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .errors import CheckpointError
+from .lanes import local_ranks
 from .persist_process_main import receive_message, send_message
 
 logger = logging.getLogger("checkpointd")
@@ -305,11 +306,7 @@ def _threads(io_threads: int) -> int:
         explicit = 0
     if explicit > 0:
         return explicit
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(4, io_threads // local)
+    return max(4, io_threads // local_ranks())
 
 
 def forget_slab(slab_id: int) -> None:

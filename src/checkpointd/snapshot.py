@@ -60,6 +60,7 @@ import torch
 
 from . import pagemem, sharedmem
 from .chunkstream import ChunkStream, host_waited_event
+from .lanes import local_ranks
 
 logger = logging.getLogger("checkpointd")
 
@@ -147,11 +148,7 @@ def populate_threads() -> int:
     """At most :data:`POPULATE_THREADS`, and no more than a quarter of this rank's share of the cores."""
     if os.environ.get(POPULATE_THREADS_ENV, "").strip():
         return max(1, int(_env_number(POPULATE_THREADS_ENV, POPULATE_THREADS)))
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // (4 * local_ranks)))
+    return max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // (4 * local_ranks())))
 
 
 def arena_layout(specs: Sequence[TensorSpec], piece_bytes: int) -> tuple[list[int], int, list[tuple[int, int]]]:
