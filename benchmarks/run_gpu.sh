@@ -14,13 +14,15 @@
 #
 # Environment (defaults in brackets):
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
+#   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
+#            persist_disk,restore_disk), e.g. to split a run over several shorter sessions with one OUT
 #   BUDGET_S [1500 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
-#   PREFAULT_GB [auto]: host memory the first stage writes once before timing (a fresh VM maps its pages
-#            on first write, ~4x slower: benchmarks/common.py prefault_host_memory); later stages skip it
+#   PREFAULT_GB [auto]: host memory the first stage run writes once before timing (a fresh VM maps its
+#            pages on first write, ~4x slower: benchmarks/common.py prefault_host_memory); later stages skip it
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -39,6 +41,11 @@ BUDGET_S=${BUDGET_S:-$(( 1500 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
+ALL_STAGES="stall,persist_tmpfs,restore_tmpfs,compression,persist_disk,restore_disk"
+STAGES=${STAGES:-$ALL_STAGES}
+for s in ${STAGES//,/ }; do
+    case ",$ALL_STAGES," in *",$s,"*) ;; *) echo "run_gpu.sh: unknown stage '$s' in STAGES (known: $ALL_STAGES)" >&2; exit 2 ;; esac
+done
 export RAW_THREADS=${RAW_THREADS:-8,max}
 export REPEAT=${REPEAT:-2}
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -77,6 +84,7 @@ df -h "$(dirname "$TMPFS_DIR")" "$(dirname "$DISK_DIR")" 2>/dev/null | tee "$OUT
 # stage NAME CAP_SECONDS ARGS...: run one benchmark under min(CAP, what is left of BUDGET_S)
 stage() {
     local name=$1 cap=$2; shift 2
+    case ",$STAGES," in *",$name,"*) ;; *) echo "== $name: not in STAGES"; return ;; esac
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local t=$(( cap < left ? cap : left ))
     if [ "$t" -lt 20 ]; then
@@ -87,11 +95,11 @@ stage() {
     timeout --signal=INT --kill-after=30 "$t" "$PY" "$@" ${BENCH_ARGS:-} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && echo "== $name: exit status $rc (124 = ran out of time; partial JSON kept)"
+    export PREFAULT_GB=0  # the host's memory was written once by the first stage; it stays mapped
     return 0
 }
 
 stage stall $(( 420 * SCALE )) benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
-export PREFAULT_GB=0  # the host's memory was written once by the stall stage; it stays mapped
 stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best

@@ -265,3 +265,22 @@ def test_analyse_bursts_counts_windows_by_card_and_method(tmp_path: Path) -> Non
     # the burst is outside +8..+20, and below a 30 ms threshold
     assert analyse_bursts.tally([str(tmp_path)], 4.83, 20.0, 8)["counts"]["H200 checkpointd_device"] == [3, 0]
     assert analyse_bursts.tally([str(tmp_path)], 4.83, 30.0, 6)["counts"]["H200 checkpointd_device"] == [3, 0]
+
+
+@pytest.mark.timeout(300)
+def test_run_gpu_sh_runs_the_stages_asked_for(tmp_path: Path) -> None:
+    """``STAGES`` splits the one-command run (e.g. over several shorter sessions sharing one ``OUT``)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), TMPFS_DIR=str(tmp_path / "t"), DISK_DIR=str(tmp_path / "d"),
+               STAGES="restore_tmpfs", BENCH_ARGS="--cpu --tiny", CUDA_VISIBLE_DEVICES="", WHEELS=str(tmp_path / "none"),
+               PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for skipped in ("stall", "persist_tmpfs", "compression", "persist_disk", "restore_disk"):
+        assert f"== {skipped}: not in STAGES" in proc.stdout
+    restored = json.loads((tmp_path / "out" / "restore_tmpfs.json").read_text())
+    assert restored["complete"] and any(r["kind"] == "checkpointd" and r.get("ok") for r in restored["dirs"][0]["rows"])
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == ["restore_tmpfs.json"]
+    assert "checkpointd restore_latest" in proc.stdout  # the summary table
+    bad = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=dict(env, STAGES="stall,restore"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'restore'" in bad.stderr
