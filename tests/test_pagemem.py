@@ -56,3 +56,57 @@ def test_populate_on_several_threads_maps_every_chunk(monkeypatch: pytest.Monkey
         assert _faults_touching_every_page(slab) < 64
     finally:
         slab.release()
+
+
+def _recording_madvise(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Record every madvise call of pagemem (and still make it)."""
+    real = pagemem._libc_madvise()
+    assert real is not None, "this test needs libc's madvise"
+    calls: list[tuple[int, int, int]] = []
+
+    def spy(addr, length, advice):
+        calls.append((addr.value, length.value, advice))
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(pagemem, "_libc_madvise", lambda: spy)
+    return calls
+
+
+def test_a_restore_mapping_drops_its_pages_in_pieces_when_the_last_view_dies(tmp_path, monkeypatch) -> None:
+    """The read buffer of a restore (``fastload._map_file``) is released piece by piece, once nothing can reach it."""
+    import gc
+    import os
+
+    import torch
+
+    from checkpointd import fastload
+
+    size = (5 << 20) + 123
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    monkeypatch.setattr(pagemem, "RELEASE_PIECE_BYTES", 1 << 20)
+    calls = _recording_madvise(monkeypatch)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = fastload._map_file(fd, size)
+    finally:
+        os.close(fd)
+    assert torch.equal(buf, data)
+    base = buf.data_ptr()
+    view = buf[size - 1000:]
+    del buf
+    gc.collect()
+    assert calls == [], "a view still reaches the mapping: nothing released"
+    assert torch.equal(view, data[size - 1000:])
+    del view
+    gc.collect()
+    assert [c[2] for c in calls] == [pagemem.MADV_DONTNEED] * 6
+    assert [c[0] - base for c in calls] == [k << 20 for k in range(6)], "contiguous pieces from the start"
+    assert [c[1] for c in calls] == [1 << 20] * 5 + [123], "each piece at most RELEASE_PIECE_BYTES, all of it covered"
+
+
+def test_release_in_pieces_without_madvise_does_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(pagemem, "_libc_madvise", lambda: None)
+    assert pagemem.release_in_pieces(4096, 1 << 20) == 0
+    assert pagemem.release_in_pieces(0, 1 << 20) == 0

@@ -142,8 +142,13 @@ def _crc_task(buf: torch.Tensor, view: memoryview, start: int, stop: int) -> int
 
 
 def _map_file(fd: int, size: int) -> torch.Tensor:
-    """A private, copy-on-write mapping of the file as a uint8 tensor (unmapped when the tensor dies)."""
-    m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    """A private, copy-on-write mapping of the file as a uint8 tensor (unmapped when the tensor dies).
+
+    Released in pieces (:class:`checkpointd.pagemem.PiecewiseReleasedMap`): the buffer dies off the
+    training thread after a restore, and a multi-GB unmap in one go would hold up that thread's next
+    thread start, large allocation or page fault for tens of milliseconds.
+    """
+    m = pagemem.PiecewiseReleasedMap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
 
 

@@ -10,17 +10,24 @@ preparing thread, the pages exist and the registration only pins them.
 
 Both calls go through ctypes, which releases the GIL; where ``madvise`` or the advice is missing they do
 nothing (the pages are then faulted in as before).
+
+The other way round, :class:`PiecewiseReleasedMap` lets a large mapping go without holding up the rest
+of the process (see there).
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Any
 
+MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 POPULATE_CHUNK_BYTES = 64 << 20
 """:func:`populate_write` advises this much at a time (each call holds the memory map's lock)."""
+RELEASE_PIECE_BYTES = 64 << 20
+""":class:`PiecewiseReleasedMap` drops this much at a time."""
 
 _MADVISE: list[Any] = []
 
@@ -72,4 +79,54 @@ def populate_write(addr: int, length: int, threads: int = 1) -> bool:
         return all(list(pool.map(one, chunks)))
 
 
-__all__ = ["MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "populate_read", "populate_write"]
+def release_in_pieces(addr: int, length: int, piece: int | None = None) -> int:
+    """``madvise(MADV_DONTNEED)`` over ``[addr, addr + length)``, ``piece`` bytes a call (default
+    :data:`RELEASE_PIECE_BYTES`); the calls made.
+
+    Only for memory nothing will read again (its private pages are discarded). Best effort: nothing
+    where ``madvise`` is missing.
+    """
+    fn = _libc_madvise()
+    if fn is None or length <= 0 or addr <= 0:
+        return 0
+    piece = piece or RELEASE_PIECE_BYTES
+    calls = 0
+    for off in range(0, length, piece):
+        fn(ctypes.c_void_p(addr + off), ctypes.c_size_t(min(piece, length - off)), MADV_DONTNEED)
+        calls += 1
+    return calls
+
+
+class PiecewiseReleasedMap(mmap.mmap):
+    """A writable ``mmap.mmap`` whose pages are dropped in pieces just before it is unmapped.
+
+    Why: unmapping a large populated mapping tears its page tables down under the process's memory-map
+    lock held for writing, the whole time; any other thread that maps memory meanwhile (starting a
+    thread, a large ``malloc``, a CUDA host allocation) or faults a page waits for all of it. A restore's
+    4.8 GB read buffer, freed off the training thread after the restore (``restore.drop_later``), held
+    the next ``restore_latest`` step that started a thread for 22-27 ms on an H200 host; on a 2-core VM
+    a 3 GiB mapping held a thread start 100-240 ms (``benchmarks/RESULTS.md``, session 19).
+    ``MADV_DONTNEED`` does the same teardown holding that lock for reading, one piece at a time (other
+    threads wait at most one piece: ~4 ms on that VM), and the final ``munmap`` then finds no pages.
+    Done in ``__del__``, when nothing can reach the mapping any more.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # mmap.__new__ has mapped it already
+        try:
+            anchor = ctypes.c_char.from_buffer(self)
+            self._release_addr = ctypes.addressof(anchor)
+            del anchor  # (a buffer export: the mapping could not be closed while it lived)
+        except (TypeError, ValueError):  # read-only or empty: unmapped the usual way
+            self._release_addr = 0
+        self._release_len = len(self)
+
+    def __del__(self) -> None:
+        try:
+            if not self.closed:
+                release_in_pieces(self._release_addr, self._release_len)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the plain unmap still happens
+            pass
+
+
+__all__ = ["MADV_DONTNEED", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "PiecewiseReleasedMap", "populate_read",
+           "populate_write", "release_in_pieces"]
