@@ -108,7 +108,8 @@ class PiecewiseReleasedMap(mmap.mmap):
     a 3 GiB mapping held a thread start 100-240 ms (``benchmarks/RESULTS.md``, session 19).
     ``MADV_DONTNEED`` does the same teardown holding that lock for reading, one piece at a time (other
     threads wait at most one piece: ~4 ms on that VM), and the final ``munmap`` then finds no pages.
-    Done in ``__del__``, when nothing can reach the mapping any more.
+    Done in ``__del__``, when nothing can reach the mapping any more. Used for restore buffers
+    (:mod:`checkpointd.fastload`) and staging arenas (one replaced when optimizer state appears).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # mmap.__new__ has mapped it already

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from . import pagemem
+
 SHARED_STAGING_ENV = "CHECKPOINTD_PERSIST_PROCESS"
 """``1`` (default where supported): stage into shared memory and persist from a separate process;
 ``0``: stage into private memory and write from threads of the training process."""
@@ -48,7 +50,9 @@ class SharedSlab:
         self.fd: int | None = os.memfd_create(f"checkpointd-staging-{self.id}", getattr(os, "MFD_CLOEXEC", 1))
         try:
             os.ftruncate(self.fd, nbytes)
-            self.mapping = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # released in pieces when the last view dies (an arena replaced during training: pagemem)
+            self.mapping = pagemem.PiecewiseReleasedMap(self.fd, nbytes, flags=mmap.MAP_SHARED,
+                                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise

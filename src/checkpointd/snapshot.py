@@ -178,12 +178,11 @@ def arena_layout(specs: Sequence[TensorSpec], piece_bytes: int) -> tuple[list[in
 
 
 def _private_slab(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of private anonymous memory, page-aligned (``torch.empty`` aligns to 64 bytes only)."""
-    import mmap
-
+    """``nbytes`` of anonymous memory, page-aligned (``torch.empty`` aligns to 64 bytes only), released in
+    pieces when the last view dies (:class:`checkpointd.pagemem.PiecewiseReleasedMap`)."""
     import numpy as np
 
-    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8))
+    return torch.from_numpy(np.frombuffer(pagemem.PiecewiseReleasedMap(-1, nbytes), dtype=np.uint8))
 
 
 def _shared_slab(nbytes: int) -> "sharedmem.SharedSlab | None":
