@@ -104,8 +104,9 @@ class PiecewiseReleasedMap(mmap.mmap):
     lock held for writing, the whole time; any other thread that maps memory meanwhile (starting a
     thread, a large ``malloc``, a CUDA host allocation) or faults a page waits for all of it. A restore's
     4.8 GB read buffer, freed off the training thread after the restore (``restore.drop_later``), held
-    the next ``restore_latest`` step that started a thread for 22-27 ms on an H200 host; on a 2-core VM
-    a 3 GiB mapping held a thread start 100-240 ms (``benchmarks/RESULTS.md``, session 19).
+    the next ``restore_latest`` step that started a thread for 22-87 ms in three of six restores on an
+    H200 host; on a 2-core VM a 3 GiB mapping held a thread start 100-240 ms (``benchmarks/RESULTS.md``,
+    session 19).
     ``MADV_DONTNEED`` does the same teardown holding that lock for reading, one piece at a time (other
     threads wait at most one piece: ~4 ms on that VM), and the final ``munmap`` then finds no pages.
     Done in ``__del__``, when nothing can reach the mapping any more. Used for restore buffers
