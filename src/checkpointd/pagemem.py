@@ -45,6 +45,11 @@ def _libc_madvise() -> Any:
     return _MADVISE[0]
 
 
+def _pieces(start: int, end: int, piece: int) -> list[tuple[int, int]]:
+    """``(address, length)`` of each piece of at most ``piece`` bytes covering ``[start, end)``."""
+    return [(a, min(piece, end - a)) for a in range(start, end, piece)]
+
+
 def populate_read(addr: int, length: int) -> None:
     """Best effort: map ``[addr, addr + length)`` readable (a file's existing pages) in one call."""
     fn = _libc_madvise()
@@ -66,7 +71,7 @@ def populate_write(addr: int, length: int, threads: int = 1) -> bool:
     page = 4096
     start = addr - addr % page
     end = addr + length
-    chunks = [(a, min(POPULATE_CHUNK_BYTES, end - a)) for a in range(start, end, POPULATE_CHUNK_BYTES)]
+    chunks = _pieces(start, end, POPULATE_CHUNK_BYTES)
 
     def one(chunk: tuple[int, int]) -> bool:
         return fn(ctypes.c_void_p(chunk[0]), ctypes.c_size_t(chunk[1]), MADV_POPULATE_WRITE) == 0
@@ -89,12 +94,10 @@ def release_in_pieces(addr: int, length: int, piece: int | None = None) -> int:
     fn = _libc_madvise()
     if fn is None or length <= 0 or addr <= 0:
         return 0
-    piece = piece or RELEASE_PIECE_BYTES
-    calls = 0
-    for off in range(0, length, piece):
-        fn(ctypes.c_void_p(addr + off), ctypes.c_size_t(min(piece, length - off)), MADV_DONTNEED)
-        calls += 1
-    return calls
+    pieces = _pieces(addr, addr + length, piece or RELEASE_PIECE_BYTES)
+    for a, n in pieces:
+        fn(ctypes.c_void_p(a), ctypes.c_size_t(n), MADV_DONTNEED)
+    return len(pieces)
 
 
 class PiecewiseReleasedMap(mmap.mmap):
