@@ -13,6 +13,12 @@ and the live tensors zeroed:
   (which copy into / onto the live device);
 - checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
   (construction untimed, reported);
+- checkpointd_phases: the uncompressed restore taken apart, to show where its time goes against the
+  floor of a verify-first restore (every byte checked before any reaches a live tensor): "verified read"
+  (``restore.read_step``: map or read each file, checksum it, parse it), "apply" (``restore_apply.
+  apply_entries``: the copies into the live tensors, through pinned bounce chunks on CUDA) and their sum
+  per repetition; on CUDA also "h2d from pinned", the same bytes copied into the live tensors from
+  page-locked host copies (the DMA alone, the copy's floor);
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -39,8 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_bounce", "checkpointd_pageable",
-               "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
+ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_phases", "checkpointd_bounce",
+               "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
 STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
                     "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
@@ -48,7 +54,7 @@ STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
 """Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
 fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
-DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd"]
+DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_phases"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
@@ -110,6 +116,7 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
                                threads=os.cpu_count() or 1)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda) for t in pristine]
         views = C.byte_views(host)
+        host_ref = C.sample_checksums(pristine)  # summed on the CPU, as the host buffers are (``ref`` on the device)
         best = None
         for thr in C.thread_counts(args.raw_threads):
             times = []
@@ -119,7 +126,7 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
                 C.drop_file_cache(root)
                 times.append(C.raw_read(files, views, threads=thr))
             add({"method": f"raw read x {thr} thr", "kind": "raw", "times_s": times,
-                         "ok": C.sample_checksums(host) == ref})
+                         "ok": C.sample_checksums(host) == host_ref})
             if best is None or min(times) < best[0]:
                 best = (min(times), thr)
         if dev.cuda:  # the best raw read, then copies into the live GPU tensors (two passes)
@@ -147,7 +154,11 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
         os.remove(p)
         C.collect()
     for m in [m for m in args.methods if m.startswith("checkpointd")]:
-        add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
+        if m == "checkpointd_phases":
+            for row in bench_phases(root, args, dev, model, opt, pristine, ref):
+                add(row)
+        else:
+            add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -199,6 +210,62 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
     shutil.rmtree(d, ignore_errors=True)
     C.collect()
     return row
+
+
+def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list[dict]:
+    """``checkpointd_phases``: an uncompressed restore's verified read and apply, timed apart (see the docstring)."""
+    names = ["checkpointd phases: verified read", "checkpointd phases: apply", "checkpointd phases: read + apply"]
+    rows: list[dict[str, Any]] = [{"method": n, "kind": "phase", "times_s": [], "notes": []} for n in names]
+    ckd = C.try_import_checkpointd()
+    if isinstance(ckd, str):
+        rows[0]["error"] = ckd
+        return rows[:1]
+    from checkpointd import commit, layout, restore, restore_apply  # noqa: PLC0415
+    d = os.path.join(root, "checkpointd_phases")
+    try:
+        reset_live(model, opt, pristine, dev)
+        with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
+            mgr.maybe_save(1, force=True)
+            mgr.wait()
+            store, entries = mgr._store, mgr._entries  # noqa: SLF001 - the manager's own store and registered state
+            step_dir = layout.step_dir_name(1)
+            for _ in range(args.repeat):
+                zero_live(C.state_tensors(model, opt), dev)
+                C.drop_file_cache(root)
+                C.collect()
+                t0 = time.perf_counter()
+                manifest = commit.read_committed_manifest(store, step_dir)
+                contents = restore.read_step(store, step_dir, manifest)
+                t1 = time.perf_counter()
+                values = restore.values_by_entry(manifest, contents)
+                restore.check_compatible(entries, values, manifest.step)
+                dev.sync()
+                t2 = time.perf_counter()
+                restore_apply.apply_entries(entries, values)
+                dev.sync()
+                t3 = time.perf_counter()
+                for row, secs in zip(rows, (t1 - t0, t3 - t2, (t1 - t0) + (t3 - t2))):
+                    row["times_s"].append(secs)
+                del contents, values
+        ok = check(model, opt, ref)
+        for row in rows:
+            row["ok"] = ok
+        if dev.cuda:
+            host = pristine  # page-locked copies of the same values
+
+            def h2d():
+                with torch.no_grad():
+                    for h, t in zip(host, C.state_tensors(model, opt)):
+                        t.copy_(h, non_blocking=True)
+            rows.append({"method": "h2d from pinned (the copy's floor)", "kind": "phase",
+                         "times_s": timed_restore(args, dev, root, model, opt, h2d), "ok": check(model, opt, ref)})
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        rows[0]["error"] = C.error_text(e)
+        rows = rows[:1]
+    shutil.rmtree(d, ignore_errors=True)
+    C.collect()
+    return rows
 
 
 def summarise(res: dict) -> str:

@@ -100,6 +100,12 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     _run("bench_restore.py", "--cpu", "--tiny", "--repeat", "1", "--dirs", str(tmp_path / "r"), "--json", str(out))
     text = out.read_text()
     assert "checkpointd" in text and "torch_load" in text
+    rows = {r["method"]: r for r in json.loads(text)["dirs"][0]["rows"]}
+    phases = [rows[f"checkpointd phases: {p}"] for p in ("verified read", "apply", "read + apply")]
+    for r in phases:
+        assert "error" not in r and r["ok"] and len(r["times_s"]) == 1, r
+    read, apply, both = (r["times_s"][0] for r in phases)
+    assert both == pytest.approx(read + apply)
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,14 @@
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONUNBUFFERED=1
+NEW=/tmp/site:$PWD/src OLD=/tmp/site:$PWD/.probe/old/src
+date -u; nvidia-smi -L
+PYTHONPATH=$NEW timeout 100 python3 -m pytest -q tests/gpu/test_restore_cuda.py tests/test_restore_inplace.py -p no:cacheprovider 2>&1 | tail -2
+for v in new old; do
+  if [ $v = new ]; then P=$NEW; else P=$OLD; fi
+  PHASES_FRESH_POOL=1 PYTHONPATH=$P timeout 120 python3 .probe/restore_phases3.py $OUT/phases3-fresh-$v.json 2>&1 | grep -- "checkpointd from\|---\|copy_pairs\|read_step"
+done
+for v in new old new old; do
+  if [ $v = new ]; then P=$NEW; else P=$OLD; fi
+  echo "== $v"; PYTHONPATH=$P timeout 150 python3 benchmarks/bench_restore.py --state-gb 5 --dirs /dev/shm/ckd-restore --repeat 4 --raw-threads 16 --methods raw,checkpointd,checkpointd --json $OUT/restore-$v-$(date +%s).json 2>&1 | tail -5
+done
+date -u
