@@ -13,6 +13,11 @@ and the live tensors zeroed:
   (which copy into / onto the live device);
 - checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
   (construction untimed, reported);
+- checkpointd_cold: the uncompressed restore as a resumed job does it, its only one: each repetition a
+  fresh Python process builds the same model and optimizer (values zeroed; untimed), builds a manager
+  (reported) and runs restore_latest() (timed inside that process); its values are checked by the
+  parent. It pays what the rows above amortise: the process's first page-locking and first use of
+  each thread pool, and the first read of files another process wrote;
 - checkpointd_phases: the uncompressed restore taken apart, to show where its time goes against the
   floor of a verify-first restore (every byte checked before any reaches a live tensor): "verified read"
   (``restore.read_step``: map or read each file, checksum it, parse it), "apply" (``restore_apply.
@@ -33,8 +38,10 @@ Run:  python benchmarks/bench_restore.py [--state-gb 5] [--dirs /dev/shm/x,/var/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -45,8 +52,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_phases", "checkpointd_bounce",
-               "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
+ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
+               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
 STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
                     "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
@@ -54,7 +61,7 @@ STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
 """Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
 fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
-DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_phases"]
+DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
@@ -157,6 +164,8 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
         if m == "checkpointd_phases":
             for row in bench_phases(root, args, dev, model, opt, pristine, ref):
                 add(row)
+        elif m == "checkpointd_cold":
+            add(bench_cold(root, args, dev, model, opt, pristine, ref))
         else:
             add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
     shutil.rmtree(root, ignore_errors=True)
@@ -210,6 +219,59 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
     shutil.rmtree(d, ignore_errors=True)
     C.collect()
     return row
+
+
+def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
+    """``checkpointd_cold``: each repetition's restore_latest() in a fresh process (see the docstring)."""
+    row: dict[str, Any] = {"method": "checkpointd restore_latest, fresh process", "kind": "checkpointd_cold",
+                           "times_s": [], "notes": []}
+    d = os.path.join(root, "checkpointd_cold")
+    try:
+        reset_live(model, opt, pristine, dev)
+        with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
+            mgr.maybe_save(1, force=True)
+            mgr.wait()
+        width, depth = args.built_shape  # the child builds the same model
+        oks = []
+        for _ in range(args.repeat):
+            C.drop_file_cache(root)
+            cmd = [sys.executable, os.path.abspath(__file__), "--cold-child", d, "--D", str(width), "--L", str(depth)]
+            if not dev.cuda:
+                cmd.append("--cpu")
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the fresh process failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            row["times_s"].append(got["restore_s"])
+            row.setdefault("setup_s", []).append(got["init_s"])
+            oks.append(got["step"] == 1 and got["sums"] == ref)
+        row["ok"] = all(oks)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = C.error_text(e)
+    shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def cold_child(args) -> None:
+    """The fresh process of ``checkpointd_cold``: build the state, zero it, time one restore, print JSON."""
+    dev = C.Dev(cpu=args.cpu)
+    model, opt, _ = C.build_train_state(None, args.D, args.L, dev, on="device")
+    zero_live(C.state_tensors(model, opt), dev)
+    C.collect()
+    t0 = time.perf_counter()
+    mgr = C.make_manager(args.cold_child, {"model": model, "optim": opt}, keep_last=None, compression=None)
+    t1 = time.perf_counter()
+    try:
+        dev.sync()
+        t2 = time.perf_counter()
+        step = mgr.restore_latest()
+        dev.sync()
+        t3 = time.perf_counter()
+    finally:
+        mgr.close()
+    print(json.dumps({"restore_s": t3 - t2, "init_s": t1 - t0, "step": step,
+                      "sums": C.sample_checksums(C.state_tensors(model, opt))}), flush=True)
 
 
 def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list[dict]:
@@ -321,6 +383,7 @@ def parse_args(argv=None):
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
     C.add_prefault_arg(p)
     p.add_argument("--json", default=None)
+    p.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)  # checkpointd_cold's fresh process
     a = p.parse_args(argv)
     if a.tiny:
         a.D, a.L = a.D or 256, a.L or 2
@@ -333,11 +396,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.cold_child:
+        return cold_child(args)
     dev = C.Dev(cpu=args.cpu)
     info = C.env_info(dev)
     info["prefault"] = C.prefault_host_memory(args.prefault_gb, dev)
     print(f"[restore] {info['device']}  torch {info['torch']}  checkpointd {info['checkpointd']}", flush=True)
     model, opt, st = C.build_train_state(args.state_gb, args.D, args.L, dev, on="device")
+    args.built_shape = (st["D"], st["L"])
     live = C.state_tensors(model, opt)
     ref = C.sample_checksums(live)
     # the saved values (pinned host copies), to reset the live state between methods

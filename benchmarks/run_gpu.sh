@@ -16,7 +16,7 @@
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
 #   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
 #            persist_disk,restore_disk), e.g. to split a run over several shorter sessions with one OUT
-#   BUDGET_S [1700 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
+#   BUDGET_S [1900 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
@@ -35,10 +35,12 @@ STATE_GB=${STATE_GB:-5}
 # caps only stop a stage that hangs or a host far slower than ours. At 5 GB on a 16-core H200 host
 # (session 19, split with STAGES over three sessions) the stages took 215 s (stall), 218 s (tmpfs persist
 # and restore, compression) and 436 s (disk; persist_disk ran into its old 300 s cap at the end of its
-# last round): ~15 minutes. To fit a time limit set BUDGET_S lower (later stages are then skipped or
-# cut, and the summary says so) or split the run with STAGES.
+# last round): ~15 minutes. Session 20 added the restore's fresh-process and phase rows: restore_tmpfs
+# alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). To fit a time limit set
+# BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
+# with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
-BUDGET_S=${BUDGET_S:-$(( 1700 * SCALE ))}
+BUDGET_S=${BUDGET_S:-$(( 1900 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
@@ -105,14 +107,14 @@ stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
 # of 2 leaves one warm sample, and one slow sample decided a whole row (session 14)
-stage restore_tmpfs $(( 150 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+stage restore_tmpfs $(( 240 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk $(( 420 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
-    stage restore_disk $(( 200 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
+    stage restore_disk $(( 300 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 rm -rf "$TMPFS_DIR" "$DISK_DIR"

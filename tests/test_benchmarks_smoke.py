@@ -106,6 +106,8 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
         assert "error" not in r and r["ok"] and len(r["times_s"]) == 1, r
     read, apply, both = (r["times_s"][0] for r in phases)
     assert both == pytest.approx(read + apply)
+    cold = rows["checkpointd restore_latest, fresh process"]  # values checked by the parent
+    assert "error" not in cold and cold["ok"] and len(cold["times_s"]) == 1 and cold["setup_s"][0] > 0, cold
 
 
 @pytest.mark.timeout(300)
