@@ -221,16 +221,21 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
     return row
 
 
+def save_once(d: str, dev: C.Dev, model, opt, pristine) -> None:
+    """One uncompressed checkpoint of the saved values, step 1, into ``d`` (untimed)."""
+    reset_live(model, opt, pristine, dev)
+    with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
+        mgr.maybe_save(1, force=True)
+        mgr.wait()
+
+
 def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
     """``checkpointd_cold``: each repetition's restore_latest() in a fresh process (see the docstring)."""
     row: dict[str, Any] = {"method": "checkpointd restore_latest, fresh process", "kind": "checkpointd_cold",
                            "times_s": [], "notes": []}
     d = os.path.join(root, "checkpointd_cold")
     try:
-        reset_live(model, opt, pristine, dev)
-        with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
-            mgr.maybe_save(1, force=True)
-            mgr.wait()
+        save_once(d, dev, model, opt, pristine)
         width, depth = args.built_shape  # the child builds the same model
         oks = []
         for _ in range(args.repeat):
@@ -285,10 +290,8 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
     from checkpointd import commit, layout, restore, restore_apply  # noqa: PLC0415
     d = os.path.join(root, "checkpointd_phases")
     try:
-        reset_live(model, opt, pristine, dev)
+        save_once(d, dev, model, opt, pristine)
         with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
-            mgr.maybe_save(1, force=True)
-            mgr.wait()
             store, entries = mgr._store, mgr._entries  # noqa: SLF001 - the manager's own store and registered state
             step_dir = layout.step_dir_name(1)
             for _ in range(args.repeat):
