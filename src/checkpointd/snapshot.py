@@ -532,9 +532,9 @@ class Snapshotter:
         self._arenas: list[StagingArena] = []
         self._max_arenas = max(1, max_arenas)
         self._lock = threading.Lock()
-        self._preparing: dict[tuple[TensorSpec, ...], threading.Thread] = {}
-        self._hurry: dict[tuple[TensorSpec, ...], threading.Event] = {}
-        """Per arena in preparation: set when a save waits for it (its registration skips the pauses)."""
+        self._preparing: dict[tuple[TensorSpec, ...], tuple[threading.Thread, threading.Event]] = {}
+        """Per arena in preparation: its thread, and ``hurry``, set when a save waits for it (its
+        registration then skips the pauses)."""
         self._streams: dict[int, Any] = {}
         self._inflight: list[PendingCopies] = []
         self.has_step_hooks = False
@@ -572,18 +572,17 @@ class Snapshotter:
         with self._lock:
             if key in self._preparing or any(a.specs == key for a in self._arenas):
                 return
-            thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device, pin),
+            hurry = threading.Event()
+            thread = threading.Thread(target=self._prepare, args=(key, device_key, cuda_device, pin, hurry),
                                       name="checkpointd-arena", daemon=True)
-            self._preparing[key] = thread
-            self._hurry[key] = threading.Event()
+            self._preparing[key] = (thread, hurry)
         thread.start()
 
     def _prepare(self, key: tuple[TensorSpec, ...], device_key: tuple[TensorSpec, ...] = (),
-                 cuda_device: torch.device | None = None, pin: bool | None = None) -> None:
+                 cuda_device: torch.device | None = None, pin: bool | None = None,
+                 hurry: threading.Event | None = None) -> None:
         try:
             if key:
-                with self._lock:
-                    hurry = self._hurry.get(key)
                 arena = StagingArena(key, pin=self.cuda if pin is None else pin, hurry=hurry)
                 with self._lock:
                     self._add_arena(arena)
@@ -599,7 +598,6 @@ class Snapshotter:
         finally:
             with self._lock:
                 self._preparing.pop(key, None)
-                self._hurry.pop(key, None)
 
     def _ensure_device_arena(self, key: tuple[TensorSpec, ...], device: torch.device) -> list[torch.Tensor] | None:
         """The reused GPU staging buffers for ``key``; None when they would exceed the budget."""
@@ -637,11 +635,10 @@ class Snapshotter:
 
     def _acquire(self, specs: tuple[TensorSpec, ...], pin: bool | None = None) -> StagingArena:
         with self._lock:
-            thread = self._preparing.get(specs)
-            hurry = self._hurry.get(specs)
-        if thread is not None:
-            if hurry is not None:
-                hurry.set()
+            preparing = self._preparing.get(specs)
+        if preparing is not None:
+            thread, hurry = preparing
+            hurry.set()
             t0 = time.perf_counter()
             thread.join()
             self.arena_wait_secs += time.perf_counter() - t0
@@ -666,9 +663,10 @@ class Snapshotter:
 
     def close(self) -> None:
         with self._lock:
-            threads = list(self._preparing.values())
-            for hurry in self._hurry.values():
+            threads = []
+            for thread, hurry in self._preparing.values():
                 hurry.set()  # nothing to leave room for any more: register the rest without pauses
+                threads.append(thread)
         if self._ring_thread is not None:
             threads.append(self._ring_thread)
         for t in threads:
