@@ -9,6 +9,9 @@ and the live tensors zeroed:
 - raw: the files read back with os.preadv (64 MiB chunks) from several threads into preallocated
   pinned host buffers; every thread count of --raw-threads; the best is the ceiling "raw";
 - raw+h2d: the best raw read followed by copies into the live GPU tensors (a naive two-pass restore);
+- raw_cold: the raw read as a resumed job's first read, the baseline of ``checkpointd_cold``: right
+  after the raw files are written (before the rows above read them), each repetition a fresh Python
+  process reads them with the most threads of --raw-threads into pageable buffers it touched first;
 - torch_load: torch.load(weights_only=True) to CPU, then model.load_state_dict + optimizer.load_state_dict
   (which copy into / onto the live device);
 - checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
@@ -18,6 +21,11 @@ and the live tensors zeroed:
   (reported) and runs restore_latest() (timed inside that process); its values are checked by the
   parent. It pays what the rows above amortise: the process's first page-locking and first use of
   each thread pool, and the first read of files another process wrote;
+  both fresh-process rows note how many pages the host moved to its active list during each read
+  (``pgactivate`` in ``/proc/vmstat``): the kernel activates a written page on its next access under a
+  shared lock, and a read that does so pays for every page (H200, 4.83 GB: the raw read's first read
+  activated 1.18M pages and took 43 ms longer; checkpointd's mapped reads activated none; RESULTS.md,
+  session 21); the table gives ``checkpointd_cold`` against ``raw_cold``, first to first and best to best;
 - checkpointd_phases: the uncompressed restore taken apart, to show where its time goes against the
   floor of a verify-first restore (every byte checked before any reaches a live tensor): "verified read"
   (``restore.read_step``: map or read each file, checksum it, parse it), "apply" (``restore_apply.
@@ -52,7 +60,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
+ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
                "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
 STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
@@ -61,7 +69,7 @@ STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
 """Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
 fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
-DEFAULT_METHODS = ["raw", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases"]
+DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
@@ -116,35 +124,15 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
     def add(row: dict) -> None:
         rows.append(row)
         flush()
-    if "raw" in args.methods:
+    if "raw" in args.methods or "raw_cold" in args.methods:
         reset_live(model, opt, pristine, dev)
         d = os.path.join(root, "raw")
         _, files = C.raw_write(d, C.byte_views(pristine), nfiles=max(C.thread_counts(args.raw_threads)),
                                threads=os.cpu_count() or 1)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda) for t in pristine]
-        views = C.byte_views(host)
-        host_ref = C.sample_checksums(pristine)  # summed on the CPU, as the host buffers are (``ref`` on the device)
-        best = None
-        for thr in C.thread_counts(args.raw_threads):
-            times = []
-            for _ in range(args.repeat):
-                for h in host:
-                    h.zero_()
-                C.drop_file_cache(root)
-                times.append(C.raw_read(files, views, threads=thr))
-            add({"method": f"raw read x {thr} thr", "kind": "raw", "times_s": times,
-                         "ok": C.sample_checksums(host) == host_ref})
-            if best is None or min(times) < best[0]:
-                best = (min(times), thr)
-        if dev.cuda:  # the best raw read, then copies into the live GPU tensors (two passes)
-            def raw_h2d():
-                C.raw_read(files, views, threads=best[1])
-                with torch.no_grad():
-                    for h, t in zip(host, C.state_tensors(model, opt)):
-                        t.copy_(h, non_blocking=True)
-            add({"method": f"raw read x {best[1]} thr + h2d", "kind": "raw+h2d",
-                         "times_s": timed_restore(args, dev, root, model, opt, raw_h2d), "ok": check(model, opt, ref)})
-        del host, views
+        if "raw_cold" in args.methods:  # first: its first repetition is the files' first read
+            add(bench_raw_cold(root, args, files, C.byte_views(pristine)))
+        if "raw" in args.methods:
+            bench_raw(args, dev, root, files, model, opt, pristine, ref, add)
         shutil.rmtree(d, ignore_errors=True)
         C.collect()
     if "torch_load" in args.methods:
@@ -169,6 +157,88 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
         else:
             add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
     shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_raw(args, dev: C.Dev, root: str, files: list[tuple[str, list[int]]], model, opt, pristine, ref, add) -> None:
+    """``raw``: the raw files read into pinned host buffers at each thread count, then the best read + h2d."""
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.cuda) for t in pristine]
+    views = C.byte_views(host)
+    host_ref = C.sample_checksums(pristine)  # summed on the CPU, as the host buffers are (``ref`` on the device)
+    best = None
+    for thr in C.thread_counts(args.raw_threads):
+        times = []
+        for _ in range(args.repeat):
+            for h in host:
+                h.zero_()
+            C.drop_file_cache(root)
+            times.append(C.raw_read(files, views, threads=thr))
+        add({"method": f"raw read x {thr} thr", "kind": "raw", "times_s": times,
+             "ok": C.sample_checksums(host) == host_ref})
+        if best is None or min(times) < best[0]:
+            best = (min(times), thr)
+    if dev.cuda:  # the best raw read, then copies into the live GPU tensors (two passes)
+        def raw_h2d():
+            C.raw_read(files, views, threads=best[1])
+            with torch.no_grad():
+                for h, t in zip(host, C.state_tensors(model, opt)):
+                    t.copy_(h, non_blocking=True)
+        add({"method": f"raw read x {best[1]} thr + h2d", "kind": "raw+h2d",
+             "times_s": timed_restore(args, dev, root, model, opt, raw_h2d), "ok": check(model, opt, ref)})
+
+
+def fresh_process(flags: list[str], cpu: bool = False) -> dict:
+    """Run this script with ``flags`` in a new Python process; its last stdout line, parsed as JSON."""
+    cmd = [sys.executable, os.path.abspath(__file__), *flags] + (["--cpu"] if cpu else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the fresh process failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def file_crcs(files: list[tuple[str, list[int]]], views: list[memoryview]) -> list[int]:
+    """CRC-32 of each raw file as written: its views' bytes in order."""
+    from checkpointd.crc import crc32  # noqa: PLC0415
+    out = []
+    for _, group in files:
+        crc = 0
+        for i in group:
+            crc = crc32(views[i], crc)
+        out.append(crc)
+    return out
+
+
+def bench_raw_cold(root: str, args, files: list[tuple[str, list[int]]], views: list[memoryview]) -> dict:
+    """``raw_cold``: the raw files read in a fresh process per repetition (see the docstring)."""
+    threads = max(C.thread_counts(args.raw_threads))
+    row: dict[str, Any] = {"method": f"raw read x {threads} thr, fresh process", "kind": "raw_cold",
+                           "times_s": [], "notes": [], "activated": []}
+    try:
+        want = file_crcs(files, views)
+        oks = []
+        for _ in range(args.repeat):
+            C.drop_file_cache(root)
+            got = fresh_process(["--raw-cold-child", json.dumps([p for p, _ in files]), "--raw-threads", str(threads)])
+            row["times_s"].append(got["read_s"])
+            row["activated"].append(got["activated"])
+            oks.append(got["crcs"] == want)
+        row["ok"] = all(oks)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = C.error_text(e)
+    return row
+
+
+def raw_cold_child(args) -> None:
+    """The fresh process of ``raw_cold``: touch a buffer per file, time reading the files into them, print JSON."""
+    from checkpointd.crc import crc32  # noqa: PLC0415
+    paths = json.loads(args.raw_cold_child)
+    bufs = [torch.zeros(os.path.getsize(p), dtype=torch.uint8) for p in paths]  # pages touched before the clock
+    views = C.byte_views(bufs)
+    before = C.vmstat("pgactivate")
+    seconds = C.raw_read([(p, [i]) for i, p in enumerate(paths)], views, threads=int(args.raw_threads))
+    after = C.vmstat("pgactivate")
+    print(json.dumps({"read_s": seconds, "activated": None if before is None or after is None else after - before,
+                      "crcs": [crc32(v) for v in views]}), flush=True)
 
 
 def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
@@ -232,7 +302,7 @@ def save_once(d: str, dev: C.Dev, model, opt, pristine) -> None:
 def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
     """``checkpointd_cold``: each repetition's restore_latest() in a fresh process (see the docstring)."""
     row: dict[str, Any] = {"method": "checkpointd restore_latest, fresh process", "kind": "checkpointd_cold",
-                           "times_s": [], "notes": []}
+                           "times_s": [], "notes": [], "activated": []}
     d = os.path.join(root, "checkpointd_cold")
     try:
         save_once(d, dev, model, opt, pristine)
@@ -240,14 +310,9 @@ def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
         oks = []
         for _ in range(args.repeat):
             C.drop_file_cache(root)
-            cmd = [sys.executable, os.path.abspath(__file__), "--cold-child", d, "--D", str(width), "--L", str(depth)]
-            if not dev.cuda:
-                cmd.append("--cpu")
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the fresh process failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            got = fresh_process(["--cold-child", d, "--D", str(width), "--L", str(depth)], cpu=not dev.cuda)
             row["times_s"].append(got["restore_s"])
+            row["activated"].append(got["activated"])
             row.setdefault("setup_s", []).append(got["init_s"])
             oks.append(got["step"] == 1 and got["sums"] == ref)
         row["ok"] = all(oks)
@@ -269,13 +334,16 @@ def cold_child(args) -> None:
     t1 = time.perf_counter()
     try:
         dev.sync()
+        before = C.vmstat("pgactivate")
         t2 = time.perf_counter()
         step = mgr.restore_latest()
         dev.sync()
         t3 = time.perf_counter()
+        after = C.vmstat("pgactivate")
     finally:
         mgr.close()
     print(json.dumps({"restore_s": t3 - t2, "init_s": t1 - t0, "step": step,
+                      "activated": None if before is None or after is None else after - before,
                       "sums": C.sample_checksums(C.state_tensors(model, opt))}), flush=True)
 
 
@@ -346,6 +414,7 @@ def summarise(res: dict) -> str:
             continue
         rows = d["rows"]
         raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
+        raw_cold = next((r for r in rows if r["kind"] == "raw_cold" and r.get("GBps")), None)
         trows = []
         for r in rows:
             t = {"method": r["method"]}
@@ -360,7 +429,8 @@ def summarise(res: dict) -> str:
             if "ok" in r:
                 t["ok"] = "yes" if r["ok"] else "NO"
             note = "; ".join(([("ERROR " + r["error"])] if r.get("error") else [])
-                             + ([("skipped: " + r["skipped"])] if r.get("skipped") else []) + r.get("notes", []))
+                             + ([("skipped: " + r["skipped"])] if r.get("skipped") else []) + r.get("notes", [])
+                             + cold_notes(r, raw_cold))
             if note:
                 t["note"] = note[:110]
             trows.append(t)
@@ -368,6 +438,19 @@ def summarise(res: dict) -> str:
                 ("target", ">=0.7x raw"), ("ok", "ok"), ("setup", "mgr init s"), ("note", "note")]
         lines.append(C.table(trows, [c for c in cols if any(c[0] in r for r in trows)]))
     return "\n".join(lines)
+
+
+def cold_notes(r: dict, raw_cold: dict | None) -> list[str]:
+    """A fresh-process row's pages activated per read and, for checkpointd's, its ratio to ``raw_cold``."""
+    out = []
+    if r["kind"] == "checkpointd_cold" and raw_cold and r.get("times_s"):
+        first = raw_cold["times_s"][0] / r["times_s"][0]
+        best = min(raw_cold["times_s"]) / min(r["times_s"])
+        out.append(f"x raw fresh process: first {first:.2f}, best {best:.2f}")
+    acts = r.get("activated") or []
+    if acts and all(a is not None for a in acts):
+        out.append("pages activated " + "/".join(f"{a / 1e6:.2f}M" if a >= 1e6 else f"{a / 1e3:.1f}k" for a in acts))
+    return out
 
 
 def parse_args(argv=None):
@@ -387,6 +470,7 @@ def parse_args(argv=None):
     C.add_prefault_arg(p)
     p.add_argument("--json", default=None)
     p.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)  # checkpointd_cold's fresh process
+    p.add_argument("--raw-cold-child", default=None, help=argparse.SUPPRESS)  # raw_cold's: a JSON list of files
     a = p.parse_args(argv)
     if a.tiny:
         a.D, a.L = a.D or 256, a.L or 2
@@ -401,6 +485,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.cold_child:
         return cold_child(args)
+    if args.raw_cold_child:
+        return raw_cold_child(args)
     dev = C.Dev(cpu=args.cpu)
     info = C.env_info(dev)
     info["prefault"] = C.prefault_host_memory(args.prefault_gb, dev)

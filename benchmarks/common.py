@@ -357,6 +357,19 @@ class StepCounters:
         self.last = now
 
 
+def vmstat(key: str) -> int | None:
+    """One host-wide counter of ``/proc/vmstat`` (``None`` where there is none, as off Linux)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def slow_step_profile(step_s: list[float], deltas: dict[str, list[float]], over_ms: float = 3.0) -> dict | None:
     """Mean counter deltas on the steps more than ``over_ms`` above the run's median step, and on the rest.
 

@@ -108,6 +108,11 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     assert both == pytest.approx(read + apply)
     cold = rows["checkpointd restore_latest, fresh process"]  # values checked by the parent
     assert "error" not in cold and cold["ok"] and len(cold["times_s"]) == 1 and cold["setup_s"][0] > 0, cold
+    raw_cold = next(r for m, r in rows.items() if m.endswith("thr, fresh process"))  # crcs checked by the parent
+    assert "error" not in raw_cold and raw_cold["ok"] and len(raw_cold["times_s"]) == 1, raw_cold
+    if sys.platform == "linux":  # /proc/vmstat's counter read around each fresh read
+        assert isinstance(raw_cold["activated"][0], int) and isinstance(cold["activated"][0], int)
+    assert "x raw fresh process: first" in text
 
 
 @pytest.mark.timeout(300)
