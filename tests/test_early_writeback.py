@@ -131,14 +131,33 @@ def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
         assert torch.equal(weights[k], v), k
 
 
-def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a host staging budget the records arrive chunk by chunk (``chunkstream``): those ranges too."""
+@pytest.mark.parametrize("writer", ["persist-process", "in-process"])
+def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         writer: str) -> None:
+    """Under a host staging budget the records arrive chunk by chunk (``chunkstream``): those ranges too,
+    whether the persist process writes the chunks (asked to, on attaching the file) or this process does."""
     from checkpointd import snapshot
 
+    if writer == "persist-process" and not sharedmem.supported():
+        pytest.skip("the persist process needs Linux memfd_create")
+    if writer == "in-process":
+        monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # with CUDA only device tensors are streamed
     if device == "cpu":
         monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)  # CPU tensors through the chunk ring, as CUDA's
     calls = _record_writebacks(monkeypatch)
+    requests: list[tuple] = []
+    if writer == "persist-process":
+        process = persist_process.client()
+        assert process is not None
+        real_send = process._send
+
+        def send(message: tuple, fds: list[int] | None = None) -> None:
+            if message[0] in ("attach", "put"):
+                requests.append(message)
+            real_send(message, fds)
+
+        monkeypatch.setattr(process, "_send", send)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)).to(device)
     with CheckpointManager(tmp_path, {"model": model}, compression=None, host_staging_budget_bytes=2 << 20) as mgr:
@@ -149,4 +168,12 @@ def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeyp
     for k, v in model.state_dict().items():
         assert torch.equal(weights[k], v.cpu()), k
     tensor_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-    assert sum(n for _, n in calls) >= tensor_bytes  # every streamed byte was in a started range
+    if writer == "in-process":
+        assert sum(n for _, n in calls) >= tensor_bytes  # every streamed byte was in a started range
+        return
+    attached = [m for m in requests if m[0] == "attach"]
+    puts = [m for m in requests if m[0] == "put"]
+    assert attached and all(m[4] is True for m in attached)  # ("attach", id, end, mode, writeback)
+    assert {m[2] for m in puts} <= {m[1] for m in attached}
+    assert sum(n for m in puts for task in m[4] for _, _, _, n in task) >= tensor_bytes
+    assert sum(n for _, n in calls) < tensor_bytes  # here only the headers and the pickle

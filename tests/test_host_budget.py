@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager, CheckpointWriteError, load
-from checkpointd import chunkstream, snapshot
+from checkpointd import chunkstream, persist_process, sharedmem, snapshot
 from checkpointd.chunkstream import ChunkRing, ChunkStream, CpuCopier, plan_chunks, ring_geometry
 from checkpointd.errors import ConfigError
 from checkpointd.testing.faults import Fault, FaultPlan
@@ -314,6 +314,124 @@ def test_write_failure_fails_the_save_without_hanging_training(tmp_path, stream_
     mgr.wait()
     assert mgr.steps() == [2]
     assert_tree_equal(load(f"{tmp_path}/ckpt")["model"], {k: v for k, v in model.state_dict().items()})
+    mgr.close()
+
+
+# -- who writes the chunks: the persist process, else this process ----------------------------------------------
+
+needs_persist_process = pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
+
+
+def _record_puts(monkeypatch) -> list[tuple]:
+    """Every ``put`` request sent to the (started) persist process."""
+    process = persist_process.client()
+    assert process is not None and process.alive
+    puts: list[tuple] = []
+    real_send = process._send
+
+    def send(message: tuple, fds: list[int] | None = None) -> None:
+        if message[0] == "put":
+            puts.append(message)
+        real_send(message, fds)
+
+    monkeypatch.setattr(process, "_send", send)
+    return puts
+
+
+@needs_persist_process
+def test_the_persist_process_writes_the_chunks(tmp_path, monkeypatch, stream_cpu):
+    """The ring lives in shared memory and each chunk is one ``put`` request of ranges of one ring slot;
+    the files are byte-identical to those this process writes when the persist process is off."""
+    def save(root: str) -> tuple[Any, int]:
+        with CheckpointManager(root, _make_state(), compression=None, host_staging_budget_bytes=2 * MiB) as mgr:
+            mgr.save(7)
+            mgr.wait()
+            return mgr._snap._ring.slots, mgr._snap._ring.chunk_bytes
+
+    monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
+    slots, _ = save(str(tmp_path / "here"))
+    assert slots is None  # private memory: the old path
+    monkeypatch.delenv(sharedmem.SHARED_STAGING_ENV)
+    puts = _record_puts(monkeypatch)
+    before = persist_process.client().writes_done
+    slots, chunk_bytes = save(str(tmp_path / "there"))
+    assert slots is not None and len({slab.id for slab, _ in slots}) == 1
+    slab, base = slots[0]
+    ranges = [r for m in puts for task in m[4] for r in task]
+    state_bytes = sum(t.numel() * t.element_size() for t in _make_state()["model"].state_dict().values())
+    assert sum(n for *_, n in ranges) >= state_bytes
+    for m in puts:  # one request, one chunk: its ranges lie in one slot of the ring
+        used = {(start - base) // chunk_bytes for task in m[4] for _, _, start, _ in task}
+        assert len(used) == 1 and all(sid == slab.id for task in m[4] for _, sid, _, _ in task)
+    assert persist_process.client().writes_done >= before + len(puts)
+    ref, got = _files(str(tmp_path / "here")), _files(str(tmp_path / "there"))
+    assert sorted(ref) == sorted(got) and len(ref) == 3
+    for name in ref:
+        assert ref[name] == got[name], name
+
+
+@needs_persist_process
+@pytest.mark.parametrize("how", ["refused", "lost"])
+def test_chunks_the_persist_process_cannot_take_are_written_here(tmp_path, monkeypatch, stream_cpu, caplog, how):
+    """``refused``: the request cannot be sent (the process is gone); ``lost``: it was sent and the process
+    went away before answering. Either way that chunk and the rest are written by this process."""
+    monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", False)
+    _save_once(str(tmp_path / "ref"), None, None)
+    monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)
+    real_submit = persist_process.RemoteFile.submit
+    calls = {"n": 0}
+
+    def flaky(self, tasks):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            return real_submit(self, tasks)
+        if how == "refused":
+            raise persist_process.PersistProcessError("the persist process has exited")
+        future = persist_process.Future()
+        threading.Timer(0.05, future.set_exception, [persist_process.PersistProcessError("gone")]).start()
+        return future
+
+    monkeypatch.setattr(persist_process.RemoteFile, "submit", flaky)
+    with caplog.at_level(logging.WARNING, logger="checkpointd"):
+        _save_once(str(tmp_path / "budget"), 2 * MiB, None)
+    assert calls["n"] >= 2 and "writing the host staging chunks from this process" in caplog.text
+    ref, got = _files(str(tmp_path / "ref")), _files(str(tmp_path / "budget"))
+    assert sorted(ref) == sorted(got)
+    for name in ref:
+        assert ref[name] == got[name], name
+
+
+@needs_persist_process
+def test_a_chunk_the_persist_process_fails_to_write_fails_the_save(tmp_path, monkeypatch, stream_cpu):
+    """A write error in the process (a full disk) fails that save, without hanging training; the next works."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 2048)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real_submit = persist_process.RemoteFile.submit
+    calls = {"n": 0}
+
+    def full_once(self, tasks):
+        calls["n"] += 1
+        if calls["n"] != 2:
+            return real_submit(self, tasks)
+        future = persist_process.Future()
+        future.set_exception(OSError(errno.ENOSPC, "persist process: No space left on device"))
+        return future
+
+    monkeypatch.setattr(persist_process.RemoteFile, "submit", full_once)
+    mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, host_staging_budget_bytes=2 * MiB)
+    mgr.save(1)
+    model(torch.randn(2, 1024)).sum().backward()
+    done = threading.Event()
+    threading.Thread(target=lambda: (opt.step(), done.set()), daemon=True).start()
+    assert done.wait(30), "the optimizer hook must not hang when the save fails"
+    with pytest.raises(CheckpointWriteError, match="No space"):
+        mgr.wait()
+    assert mgr.steps() == [] and calls["n"] >= 2
+    mgr.save(2)
+    mgr.wait()
+    assert mgr.steps() == [2]
+    assert_tree_equal(load(tmp_path)["model"], {k: v for k, v in model.state_dict().items()})
     mgr.close()
 
 

@@ -206,6 +206,59 @@ def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
         slab.release()
 
 
+@pytest.mark.parametrize("mode", ["pwrite", "mmap"])
+def test_an_attached_file_takes_puts_until_it_is_detached(tmp_path: Path, mode: str) -> None:
+    """A file attached once takes many ``put`` requests at once (a host budget's chunks), each answered
+    with its ranges' CRCs; in ``mmap`` mode one mapping serves them all and is kept after ``detach``."""
+    process = persist_process.client()
+    assert process is not None
+    slab = sharedmem.SharedSlab(4 << 20)
+    path = tmp_path / f"attached-{mode}.bin"
+    try:
+        payload = os.urandom(4 << 20)
+        slab.array[:] = memoryview(payload)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            os.ftruncate(fd, 5 << 20)
+            remote = process.attach(fd, 5 << 20, mode, lanes=2)
+            before = process.writes_done
+            futures = [remote.submit([[(4096 + i * (1 << 20), slab, i << 20, 1 << 19)],
+                                      [(4096 + i * (1 << 20) + (1 << 19), slab, (i << 20) + (1 << 19), 1 << 19)]])
+                       for i in (3, 0, 2, 1)]  # out of order, all in flight together
+            crcs = [f.result(timeout=30) for f in futures]
+            remote.detach()
+        finally:
+            os.close(fd)
+        data = path.read_bytes()
+        assert data[4096:4096 + (4 << 20)] == payload and data[:4096] == bytes(4096)
+        half = 1 << 19
+        for i, got in zip((3, 0, 2, 1), crcs):
+            start = i << 20
+            assert got == [[zlib.crc32(payload[start:start + half])], [zlib.crc32(payload[start + half:start + 2 * half])]]
+        assert process.writes_done >= before + 4
+        assert _mappings(process.proc.pid, path) == (1 if mode == "mmap" and process.keeps_mappings else 0)
+        with pytest.raises(persist_process.PersistProcessError, match="not attached"):
+            remote.submit([[(0, slab, 0, 4096)]]).result(timeout=30)  # detached: its id names nothing now
+        assert process.alive
+    finally:
+        slab.release()
+
+
+def test_attaching_a_file_that_cannot_be_reserved_is_an_oserror(tmp_path: Path) -> None:
+    process = persist_process.client()
+    assert process is not None
+    path = tmp_path / "readonly.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            process.attach(fd, 1 << 20, "mmap", lanes=1)
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    assert process.alive
+
+
 def _mappings(pid: int, path: Path) -> int:
     """How many mappings of ``path`` (or of it deleted) the process ``pid`` holds."""
     with open(f"/proc/{pid}/maps") as f:

@@ -5,10 +5,11 @@ the state (per pending save). With ``host_staging_budget_bytes`` the host holds 
 a :class:`ChunkRing` of equal chunks, allocated (and page-locked) once, ahead of time, and reused by
 every save. The background writer streams the state through it, in file order:
 
-    producer (committer thread)                 consumers (file threads / I/O pool)
-    take a free chunk -> copy the next pieces   wait for the chunk's copy -> write its pieces
-    into it (side stream, after the save point) (pwrite at the precomputed offset, or into the
-    -> hand it to the file it belongs to        streaming serializer/codec), CRC -> free the chunk
+    producer (committer thread)                 consumers (file threads)
+    take a free chunk -> copy the next pieces   wait for the chunk's copy -> have its pieces written
+    into it (side stream, after the save point) at their precomputed offsets (by the persist process,
+    -> hand it to the file it belongs to        else the I/O pool), or into the streaming
+                                                serializer/codec; CRC -> free the chunk
 
 Large tensors are split across chunks; small ones share a chunk (one file per chunk). Consistency
 (the save holds exactly the values at ``maybe_save``) now depends on training not touching a tensor
@@ -87,17 +88,28 @@ class ChunkStreamAborted(RuntimeError):
 
 
 class ChunkRing:
-    """The fixed pool of host chunks: one allocation, page-locked when ``pin``, reused forever."""
+    """The fixed pool of host chunks: one allocation, page-locked when ``pin``, reused forever.
 
-    def __init__(self, chunk_bytes: int, n_chunks: int, pin: bool) -> None:
+    In shared memory where the persist process runs (``shared`` None; see :mod:`checkpointd.sharedmem`),
+    so that process writes each chunk into its file (:meth:`FileRecords.fill`): the chunks are freed
+    at the rate of the default path's writes (12-15 GB/s over retired tmpfs files on an H200 host)
+    instead of in-process ``pwrite``'s (3-5 GB/s: one inode lock a file, and the ring holds one file at
+    a time; ``benchmarks/RESULTS.md``, session 21, s21i), and under a budget that rate is the stall.
+    """
+
+    def __init__(self, chunk_bytes: int, n_chunks: int, pin: bool, shared: bool | None = None) -> None:
+        from . import sharedmem
         from .snapshot import StagingArena  # one way to allocate and pin host memory
 
         self.chunk_bytes = chunk_bytes
         self.n_chunks = n_chunks
-        self._arena = StagingArena([((chunk_bytes,), (1,), torch.uint8)] * n_chunks, pin=pin, shared=False)
+        self._arena = StagingArena([((chunk_bytes,), (1,), torch.uint8)] * n_chunks, pin=pin, shared=shared)
         self.nbytes = self._arena.nbytes
         self.pinned = self._arena.pinned
         self.buffers: list[torch.Tensor] = list(self._arena.buffers)
+        located = [sharedmem.locate(memoryview_of(b)) for b in self.buffers]
+        self.slots: list[tuple[Any, int]] | None = located if all(x is not None for x in located) else None  # type: ignore[assignment]
+        """``(shared slab, offset)`` of each chunk, or None where the ring is in private memory."""
         self._cv = threading.Condition()
         self._free = list(range(n_chunks))[::-1]
 
@@ -493,13 +505,16 @@ class FileRecords:
                 stream._consumed(c, 1, self.barrier if passed_on else None)
 
     def fill(self, pieces: dict[str, Any], put: Callable[[Any, int], None],
-             written: Callable[[int, int], None] | None = None) -> list[tuple[Any, int, int, int]]:
+             written: Callable[[int, int], None] | None = None, remote: Any = None) -> list[tuple[Any, int, int, int]]:
         """Write every chunk of this file at its records' offsets (positional writers).
 
         Args:
             pieces: record key -> ``ptlayout.Piece`` (``offset`` is where the record starts in the file).
             put: ``put(view, file_offset)`` writes bytes (thread-safe).
             written: ``written(file_offset, nbytes)`` after each part of a chunk is put (early writeback).
+            remote: the file attached to the persist process (``persist_process.RemoteFile``). Where the
+                ring is in shared memory, that process writes each chunk (and starts its writeback)
+                and the chunk is freed when it answers; a chunk it cannot take is written here.
 
         Returns:
             ``(piece, start, stop, crc)`` for every written range, for the caller to combine.
@@ -507,56 +522,177 @@ class FileRecords:
         if self._filled or self._used_keys:
             self._once(f"file #{self.index}")
         self._filled = True
-        from .ptlayout import CRC_SLICE_BYTES, io_executor
-        from .crc import crc32
+        use_remote = remote if self._stream.ring.slots is not None else None
+        return _FileFill(self._stream, pieces, put, written, use_remote).run(self._chunks)
 
-        stream = self._stream
 
-        def write_chunk(c: ChunkPlan) -> list[tuple[Any, int, int, int]]:
-            out = []
-            try:
-                stream._await(c)
-                for part in c.parts:
-                    piece = pieces[part.key]
-                    view = stream.chunk_view(part)
-                    crc = 0
-                    for pos in range(0, view.nbytes, CRC_SLICE_BYTES):
-                        sl = view[pos:pos + CRC_SLICE_BYTES]
-                        crc = crc32(sl, crc)
-                        put(sl, piece.offset + part.start + pos)
-                    if written is not None:
-                        written(piece.offset + part.start, view.nbytes)
-                    out.append((piece, part.start, part.start + part.length, crc))
-            except BaseException as exc:
-                stream.abort(exc)
-                raise
-            finally:
-                if c.arrived:
-                    stream._consumed(c, len(c.parts))
-            return out
+REMOTE_TASK_BYTES = 8 << 20
+"""Bytes per task of a chunk handed to the persist process: a 64 MiB chunk is written by up to 8 of its
+threads at once."""
 
+
+class _FileFill:
+    """One positional file's chunks, each written once it holds its bytes: by the persist process
+    (``remote``) or on this process's I/O pool; a chunk's slot is freed once its bytes are in the file."""
+
+    def __init__(self, stream: ChunkStream, pieces: dict[str, Any], put: Callable[[Any, int], None],
+                 written: Callable[[int, int], None] | None, remote: Any) -> None:
+        self.stream = stream
+        self.pieces = pieces
+        self.put = put
+        self.written = written
+        self.remote = remote
+        self._cv = threading.Condition()
+        self._pending = 0
+        """Chunks handed to the process and not yet answered (or handed on to the pool after a failure)."""
+        self._results: list[tuple[Any, int, int, int]] = []
+        self._local: list[Any] = []
+        """Futures of chunks written on the I/O pool."""
+        self._errors: list[BaseException] = []
+        self._warned = False
+
+    def run(self, chunks: list[ChunkPlan]) -> list[tuple[Any, int, int, int]]:
+        from .ptlayout import io_executor
+
+        stream = self.stream
         pool = io_executor()
-        futures = []
         first_error: BaseException | None = None
         try:
-            for c in self._chunks:
-                with stream._cv:  # hand a chunk to the pool only once it holds data: pool threads never idle-wait
+            for c in chunks:
+                with stream._cv:  # hand a chunk on only once it holds data: pool threads never idle-wait
                     while not c.arrived and stream.error is None:
                         stream._cv.wait()
                 if not c.arrived:
                     raise ChunkStreamAborted("host staging stream aborted") from stream.error
-                futures.append(pool.submit(write_chunk, c))
-        except BaseException as exc:  # noqa: BLE001 - wait for the submitted ones first
+                if self.remote is not None and self._send(c):
+                    continue
+                future = pool.submit(self._write_here, c)
+                with self._cv:
+                    self._local.append(future)
+        except BaseException as exc:  # noqa: BLE001 - wait for what was handed on first
             first_error = exc
-        results: list[tuple[Any, int, int, int]] = []
-        for f in futures:
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+            local = list(self._local)
+        for f in local:
             try:
-                results.extend(f.result())
+                self._results.extend(f.result())
             except BaseException as exc:  # noqa: BLE001
                 first_error = first_error or exc
+        first_error = first_error or (self._errors[0] if self._errors else None)
         if first_error is not None:
             raise first_error
-        return results
+        return self._results
+
+    # -- here ------------------------------------------------------------------------------------------
+    def _write_here(self, c: ChunkPlan) -> list[tuple[Any, int, int, int]]:
+        from .crc import crc32
+        from .ptlayout import CRC_SLICE_BYTES
+
+        stream = self.stream
+        out = []
+        try:
+            stream._await(c)
+            for part in c.parts:
+                piece = self.pieces[part.key]
+                view = stream.chunk_view(part)
+                crc = 0
+                for pos in range(0, view.nbytes, CRC_SLICE_BYTES):
+                    sl = view[pos:pos + CRC_SLICE_BYTES]
+                    crc = crc32(sl, crc)
+                    self.put(sl, piece.offset + part.start + pos)
+                if self.written is not None:
+                    self.written(piece.offset + part.start, view.nbytes)
+                out.append((piece, part.start, part.start + part.length, crc))
+        except BaseException as exc:
+            stream.abort(exc)
+            raise
+        finally:
+            if c.arrived:
+                stream._consumed(c, len(c.parts))
+        return out
+
+    # -- in the persist process -----------------------------------------------------------------------
+    def _tasks(self, c: ChunkPlan) -> tuple[list[list[tuple[int, Any, int, int]]], list[list[tuple[Any, int, int]]]]:
+        """The process's tasks for chunk ``c`` (ranges of its slab, about :data:`REMOTE_TASK_BYTES` a
+        task), and the ``(piece, start, stop)`` each range is."""
+        assert self.stream.ring.slots is not None and c.slot is not None
+        slab, base = self.stream.ring.slots[c.slot]
+        tasks: list[list[tuple[int, Any, int, int]]] = []
+        ranges: list[list[tuple[Any, int, int]]] = []
+        filled = REMOTE_TASK_BYTES
+        for part in c.parts:
+            piece = self.pieces[part.key]
+            for pos in range(0, part.length, REMOTE_TASK_BYTES):
+                n = min(REMOTE_TASK_BYTES, part.length - pos)
+                if filled + n > REMOTE_TASK_BYTES:
+                    tasks.append([])
+                    ranges.append([])
+                    filled = 0
+                tasks[-1].append((piece.offset + part.start + pos, slab, base + part.chunk_offset + pos, n))
+                ranges[-1].append((piece, part.start + pos, part.start + pos + n))
+                filled += n
+        return tasks, ranges
+
+    def _send(self, c: ChunkPlan) -> bool:
+        """Hand chunk ``c`` to the process once its copy has landed; False where the process is gone."""
+        from .persist_process import PersistProcessError
+
+        self.stream._await(c)
+        tasks, ranges = self._tasks(c)
+        with self._cv:
+            self._pending += 1
+        try:
+            future = self.remote.submit(tasks)
+        except BaseException as exc:
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+            if isinstance(exc, PersistProcessError):
+                self._fall_back(exc)
+                return False
+            raise
+        future.add_done_callback(lambda f: self._answered(c, ranges, f))
+        return True
+
+    def _fall_back(self, exc: BaseException) -> None:
+        self.remote = None
+        if not self._warned:
+            self._warned = True
+            logger.warning("checkpointd: %s; writing the host staging chunks from this process", exc)
+
+    def _answered(self, c: ChunkPlan, ranges: list[list[tuple[Any, int, int]]], future: Any) -> None:
+        """The process's answer for chunk ``c`` (on its reply thread): keep the CRCs and free the slot;
+        on the I/O pool instead if the process is gone; the save fails on a write error."""
+        from .persist_process import PersistProcessError
+        from .ptlayout import io_executor
+
+        released = False
+        try:
+            exc = future.exception()
+            if isinstance(exc, PersistProcessError):
+                self._fall_back(exc)
+                local = io_executor().submit(self._write_here, c)  # frees the slot when written
+                released = True
+                with self._cv:
+                    self._local.append(local)
+                return
+            if exc is not None:
+                raise exc
+            out = [(piece, a, b, crc) for task, crcs in zip(ranges, future.result()) for (piece, a, b), crc in zip(task, crcs)]
+            with self._cv:
+                self._results.extend(out)
+        except BaseException as err:  # noqa: BLE001 - the file thread raises it
+            self.stream.abort(err)
+            with self._cv:
+                self._errors.append(err)
+        finally:
+            if not released:
+                self.stream._consumed(c, len(c.parts))
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
 
 
 __all__ = ["SPIN_WAIT_ENV", "ChunkRing", "ChunkStream", "ChunkStreamAborted", "CpuCopier", "CudaCopier", "FileRecords",

@@ -133,6 +133,20 @@ class PersistProcess:
             self.map_slab(slab)
         return self._submit(("write", end, mode, lanes, tasks, writeback), fd)
 
+    def attach(self, fd: int, end: int, mode: str, lanes: int, writeback: bool = False,
+               timeout: float = 120.0) -> "RemoteFile":
+        """Hold the open file ``fd`` in the process for a series of :meth:`RemoteFile.submit` writes, each
+        run ``lanes`` tasks at a time (``mode``, ``writeback``: as :meth:`submit_write`'s).
+
+        Why: under a host staging budget a file's bytes arrive chunk by chunk (:mod:`checkpointd.chunkstream`);
+        a ``write`` request per chunk would reserve and map the file anew each time, while an attached
+        file is reserved and mapped once (and finds its kept mapping, when recycled). Raises ``OSError``
+        where the file cannot be reserved (a full disk), :class:`PersistProcessError` where the process is gone.
+        """
+        request_id, future = self._request(("attach", end, mode, writeback), fd)
+        future.result(timeout=timeout)
+        return RemoteFile(self, request_id, lanes)
+
     def submit_scatter(self, fd: int, pieces: list[tuple[int, bytes]]) -> Future[Any]:
         """Start ``pwrite``-ing each ``(offset, bytes)`` of ``pieces`` into the open file ``fd``.
 
@@ -156,13 +170,18 @@ class PersistProcess:
 
     def _submit(self, request: tuple, fd: int | None) -> Future[Any]:
         """Send ``request`` (its kind, then its arguments) with a new request id and ``fd`` (if any)."""
+        return self._request(request, fd)[1]
+
+    def _request(self, request: tuple, fd: int | None, writes: bool | None = None) -> tuple[int, Future[Any]]:
+        """:meth:`_submit`, and the request's id. ``writes``: whether it counts in :attr:`writes_done`
+        (default: requests that send a file)."""
         future: Future[Any] = Future()
         request_id = next(self._ids)
         with self._state_lock:
             if not self.alive:
                 raise PersistProcessError("the persist process has exited")
             self._pending[request_id] = future
-            if fd is None:
+            if not (fd is not None if writes is None else writes):
                 self._queries.add(request_id)
         try:
             self._send((request[0], request_id, *request[1:]), None if fd is None else [fd])
@@ -171,7 +190,7 @@ class PersistProcess:
                 self._pending.pop(request_id, None)
                 self._queries.discard(request_id)
             raise
-        return future
+        return request_id, future
 
     def close(self) -> None:
         """Ask the process to exit and wait a little for it."""
@@ -236,6 +255,33 @@ class PersistProcess:
             future.set_exception(PersistProcessError(f"the persist process is gone: {why}"))
         if was_alive and not _closing:
             logger.warning("checkpointd: the persist process is gone (%s); files are written by in-process threads", why)
+
+
+class RemoteFile:
+    """A file attached to the persist process (:meth:`PersistProcess.attach`): write ranges of shared
+    slabs into it, request by request, then :meth:`detach` once every request is answered."""
+
+    def __init__(self, process: PersistProcess, file_id: int, lanes: int) -> None:
+        self.process = process
+        self.file_id = file_id
+        self.lanes = lanes
+
+    def submit(self, tasks: list[list[tuple[int, Any, int, int]]]) -> Future[Any]:
+        """Write ``tasks`` (lists of ``(file_offset, slab, slab_offset, length)``), :attr:`lanes` at a
+        time; the future gives each task's range CRCs, as :meth:`PersistProcess.submit_write`'s."""
+        slabs = {slab.id: slab for task in tasks for _, slab, _, _ in task}
+        for slab in slabs.values():
+            self.process.map_slab(slab)
+        ranges = [[(offset, slab.id, start, length) for offset, slab, start, length in task] for task in tasks]
+        return self.process._request(("put", self.file_id, self.lanes, ranges), None, writes=True)[1]
+
+    def detach(self, timeout: float = 30.0) -> None:
+        """Let the process close the file (after every :meth:`submit` is answered). Never raises: a gone
+        process holds nothing."""
+        try:
+            self.process._submit(("detach", self.file_id), None).result(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the file is closed here either way; nothing is lost
+            logger.debug("checkpointd: detaching file %d from the persist process: %s", self.file_id, exc)
 
 
 _lock = threading.Lock()
@@ -356,5 +402,5 @@ atexit.register(shutdown)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
-__all__ = ["KEEP_MAPPINGS_ENV", "PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "client", "forget_slab",
-           "holds_only_open", "shutdown"]
+__all__ = ["KEEP_MAPPINGS_ENV", "PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "RemoteFile", "client",
+           "forget_slab", "holds_only_open", "shutdown"]

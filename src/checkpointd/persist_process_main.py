@@ -21,6 +21,12 @@ as ``SCM_RIGHTS``). Requests:
 - ``("scatter", request_id, pieces)`` + the open file: ``pwrite`` each ``(file_offset, bytes)`` of
   ``pieces`` (a file's zip headers and small members, a few hundred per file); replies as ``write``,
   with ``None`` for the CRCs (the requester computed them);
+- ``("attach", request_id, end, mode, writeback)`` + the open file: hold the file for the ``put``
+  requests that follow (a file whose bytes arrive piece by piece: the host-budget chunk ring hands
+  over each chunk once it holds its bytes). Reserved and mapped once, as ``write`` does; the request id
+  names the file from then on. Replies ``("ok", request_id, None)`` or a failure as ``write``;
+- ``("put", request_id, file_id, lanes, tasks)``: ``write``'s work on the attached file ``file_id``;
+- ``("detach", request_id, file_id)``: let the attached file go (its mapping is kept as after ``write``);
 - ``("exclusive", request_id, st_dev, st_ino)``: whether the file's mapping this process keeps (see
   :class:`_KeptFile`) is the only open file of it (a write lease on the kept descriptor), ``None`` if
   it keeps none; replies ``("ok", request_id, True | False | None)``.
@@ -179,6 +185,18 @@ def _same_file(fd: int, st: os.stat_result) -> bool:
             == (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
 
 
+class _Attached:
+    """A file held between ``attach`` and ``detach``: our descriptor, how bytes are put into it, and the
+    kept mapping it was checked out with (if any)."""
+
+    def __init__(self, fd: int, put: Callable[..., None], written: Callable[[int, int], None] | None,
+                 kept: _KeptFile | None) -> None:
+        self.fd = fd
+        self.put = put
+        self.written = written
+        self.kept = kept
+
+
 class Server:
     def __init__(self, sock: socket.socket, threads: int, slice_bytes: int, keep: bool = True) -> None:
         self.sock = sock
@@ -197,6 +215,8 @@ class Server:
         self.kept: dict[tuple[int, int], _KeptFile] = {}
         """Kept mappings by ``(st_dev, st_ino)``, least recently written first; one being written is out."""
         self.kept_lock = threading.Lock()
+        self.attached: dict[int, _Attached] = {}
+        """Files held for ``put`` requests, by the id of the ``attach`` request."""
         self.stopping = threading.Event()
         if self.keep:
             threading.Thread(target=self._prune_often, name="persist-prune", daemon=True).start()
@@ -234,9 +254,13 @@ class Server:
                 self.slabs.pop(message[1], None)  # unmapped when the last task using it lets go
             elif kind == "exclusive":
                 self.reply(("ok", message[1], self.exclusive((message[2], message[3]))))
-            elif kind in ("write", "scatter"):
-                target = self.write if kind == "write" else self.scatter
-                thread = threading.Thread(target=target, args=(message, fds[0]), daemon=True)
+            elif kind == "detach":
+                self.detach(message)
+            elif kind in ("write", "scatter", "attach", "put"):
+                handlers: dict[str, Callable[[tuple, Any], None]] = {
+                    "write": self.write, "scatter": self.scatter, "attach": self.attach, "put": self.put}
+                target = handlers[kind]
+                thread = threading.Thread(target=target, args=(message, fds[0] if fds else None), daemon=True)
                 self.writes.add(thread)
                 thread.start()
 
@@ -244,6 +268,46 @@ class Server:
         _kind, request_id, end, mode, lanes, tasks = message[:6]
         writeback = bool(message[6]) if len(message) > 6 else False
         self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback))
+
+    def attach(self, message: tuple, fd: int) -> None:
+        _kind, request_id, end, mode, writeback = message[:5]
+
+        def work() -> None:
+            try:
+                put, written, kept = self._open(fd, end, mode, bool(writeback))
+            except BaseException:
+                os.close(fd)
+                raise
+            self.attached[request_id] = _Attached(fd, put, written, kept)
+
+        self._answer(request_id, None, work)
+
+    def put(self, message: tuple, _fd: None) -> None:
+        _kind, request_id, file_id, lanes, tasks = message[:5]
+
+        def work() -> list[list[int]]:
+            target = self.attached.get(file_id)
+            if target is None:
+                raise ValueError(f"file {file_id} is not attached")
+            return self.run_in_lanes([self._task(t, target.put, target.written) for t in tasks], self.pool, lanes)
+
+        self._answer(request_id, None, work)
+
+    def detach(self, message: tuple) -> None:
+        """On the serving thread: cheap, and ordered after every ``put`` the requester waited for."""
+        request_id, file_id = message[1], message[2]
+
+        def work() -> None:
+            target = self.attached.pop(file_id, None)
+            if target is None:
+                return
+            try:
+                if target.kept is not None:
+                    self._checkin(target.kept)
+            finally:
+                os.close(target.fd)
+
+        self._answer(request_id, None, work, track=False)
 
     def scatter(self, message: tuple, fd: int) -> None:
         _kind, request_id, pieces = message[:3]
@@ -253,17 +317,19 @@ class Server:
         for offset, data in pieces:
             self.pwrite_all(fd, data, offset)
 
-    def _answer(self, request_id: int, fd: int, work: Callable[[], Any]) -> None:
+    def _answer(self, request_id: int, fd: int | None, work: Callable[[], Any], track: bool = True) -> None:
         """Run one request on this thread and reply with its result or its failure.
 
-        ``fd`` is closed before the reply: once the requester has it, this process holds no open file
-        of that file but a kept mapping's (retention's ``exclusive`` check may follow at once).
+        ``fd`` (if any) is closed before the reply: once the requester has it, this process holds no
+        open file of that file but a kept mapping's (retention's ``exclusive`` check may follow at
+        once) or an attached file's. ``track``: the request runs on a thread of :attr:`writes`.
         """
         try:
             try:
                 result = work()
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
         except OSError as exc:
             self.reply(("oserror", request_id, exc.errno or 0, str(exc)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the requester
@@ -271,26 +337,33 @@ class Server:
         else:
             self.reply(("ok", request_id, result))
         finally:
-            self.writes.discard(threading.current_thread())
+            if track:
+                self.writes.discard(threading.current_thread())
 
-    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool) -> list[list[int]]:
+    def _open(self, fd: int, end: int, mode: str, writeback: bool
+              ) -> tuple[Callable[[_Slab, int, int, int], None], Callable[[int, int], None] | None, _KeptFile | None]:
+        """How to put bytes into ``fd`` (``put(slab, start, n, offset)``), its writeback starter and the
+        mapping checked out for it (``mmap`` mode; the caller checks it in when done)."""
         kept = None
         if mode == "mmap" and end > 0:
             # Reserved first, so a full disk is ENOSPC here and never SIGBUS in a copy. (Reserving each
             # range with MADV_POPULATE_WRITE from the lanes instead was 3x slower on an H200 host's tmpfs.)
             os.posix_fallocate(fd, 0, end)
             kept = self._checkout(fd, end)
+        if kept is not None:
+            base = kept.base
+
+            def put(slab: _Slab, start: int, n: int, offset: int) -> None:
+                ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
+        else:
+            def put(slab: _Slab, start: int, n: int, offset: int) -> None:
+                self.pwrite_all(fd, slab.view[start:start + n], offset)
+
+        return put, self.writeback_starter(fd) if writeback else None, kept
+
+    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool) -> list[list[int]]:
+        put, written, kept = self._open(fd, end, mode, writeback)
         try:
-            if kept is not None:
-                base = kept.base
-
-                def put(slab: _Slab, start: int, n: int, offset: int) -> None:
-                    ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
-            else:
-                def put(slab: _Slab, start: int, n: int, offset: int) -> None:
-                    self.pwrite_all(fd, slab.view[start:start + n], offset)
-
-            written = self.writeback_starter(fd) if writeback else None
             return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
         finally:
             if kept is not None:

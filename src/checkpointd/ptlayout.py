@@ -510,10 +510,12 @@ def _resolve_mode(mode: str, fd: int | None) -> str:
     return "mmap" if is_memory_backed(fd_filesystem_type(fd)) else "pwrite"
 
 
-FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None], Callable[[int, int], None] | None],
+FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None], Callable[[int, int], None] | None, Any],
                   list[tuple[Piece, int, int, int]]]
-"""``fill(deferred pieces by key, put, written) -> [(piece, start, stop, crc)]``: writes :class:`Deferred`
-members; ``written(offset, nbytes)`` (or None) after each range is put, as :func:`_put_task`'s."""
+"""``fill(deferred pieces by key, put, written, remote) -> [(piece, start, stop, crc)]``: writes
+:class:`Deferred` members; ``written(offset, nbytes)`` (or None) after each range is put, as
+:func:`_put_task`'s; ``remote``: the file attached to the persist process
+(:class:`checkpointd.persist_process.RemoteFile`, or None), for bytes that arrive in shared memory."""
 
 
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -531,7 +533,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     deferred = [p for p in data if isinstance(p.data, Deferred)]
     if deferred and fill is None:
         raise ValueError("ptlayout: the image has deferred members but no fill was given")
-    shared = _SharedPieces([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes)
+    shared = _SharedPieces([p for p in data if not isinstance(p.data, Deferred)], chunk_bytes, streamed=bool(deferred))
     tasks, local = shared.tasks + shared.local, shared.local
     mapped = None
     chosen = _resolve_mode(mode, fd) if mode is not None else (_resolve_mode("auto", fd) if fast else write_mode(fd))
@@ -569,7 +571,12 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
             done.update(shared.finish(remote, lambda ts: run_tasks([make(t) for t in ts], executor, lanes=lanes)))
             remote = None
         if deferred:
-            _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put, written))  # type: ignore[misc]
+            attached = shared.attach(fd, img.end, mode, written is not None)
+            try:
+                _combine_filled(fill({p.data.key: p for p in deferred if p.length}, put, written, attached))  # type: ignore[misc]
+            finally:
+                if attached is not None:
+                    attached.detach()
     finally:
         if remote is not None:  # a local failure: let the process finish with the file before it is removed
             remote.exception()
@@ -614,7 +621,9 @@ class _SharedPieces:
     piece is local.
     """
 
-    def __init__(self, pieces: list[Piece], chunk_bytes: int) -> None:
+    def __init__(self, pieces: list[Piece], chunk_bytes: int, streamed: bool = False) -> None:
+        """``streamed``: the file has members whose bytes arrive later (:meth:`attach`), so it goes
+        through the process when one runs, whatever its known pieces are."""
         from . import persist_process, sharedmem
 
         self.process = None
@@ -631,7 +640,7 @@ class _SharedPieces:
                     where[id(p)] = found
                     self.slabs[found[0].id] = found[0]
         all_small = bool(pieces) and all(p.length < LARGE_RECORD_BYTES for p in pieces)
-        if where or (shared and all_small):  # a small file with nothing staged: its headers go there too
+        if where or (shared and (all_small or streamed)):  # a small file with nothing staged: its headers go there too
             self.process = persist_process.client()
         if self.process is None:
             self.local = plan_tasks(pieces, chunk_bytes)
@@ -658,6 +667,20 @@ class _SharedPieces:
             failed: Future[Any] = Future()
             failed.set_exception(exc)
             return failed
+
+    def attach(self, fd: int, end: int, mode: str | None, writeback: bool) -> Any:
+        """The file attached to the persist process for bytes that arrive later in shared memory (a host
+        budget's chunks), or None without a process (or when it cannot take it: logged)."""
+        from . import persist_process
+
+        if self.process is None:
+            return None
+        chosen, lanes = persist_mode(fd, mode)
+        try:
+            return self.process.attach(fd, end, chosen, lanes, writeback)
+        except persist_process.PersistProcessError as exc:
+            logger.warning("checkpointd: %s; writing those bytes from this process", exc)
+            return None
 
     def scatter(self, fd: int, generated: list[Piece]) -> None:
         """Write the small pieces and the ``generated`` ones (headers, trailer) through the process in
