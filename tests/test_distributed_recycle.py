@@ -39,15 +39,17 @@ def _inodes(root: str) -> dict[str, int]:
     return {k: st.st_ino for k, st in _big_files(root).items()}
 
 
-def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto") -> Any:
+def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto", budget: int | None = None) -> Any:
     import torch.distributed as dist
 
-    os.environ["CHECKPOINTD_WRITE_MODE"] = write_mode  # here: a forkserver's children do not see the test's environment
+    from checkpointd import persist_process, snapshot
 
+    os.environ["CHECKPOINTD_WRITE_MODE"] = write_mode  # here: a forkserver's children do not see the test's environment
+    snapshot.STREAM_CPU_TENSORS = budget is not None  # CPU shards through the host budget's ring, as CUDA ones
     model, opt = fsdp2_with_adamw(_Net, seed=0)
     seen = []
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression=None,
-                           keep_last=1, every_n_steps=1, dist_timeout_secs=30) as mgr:
+                           keep_last=1, every_n_steps=1, dist_timeout_secs=30, host_staging_budget_bytes=budget) as mgr:
         for step in range(4):
             train_same_batches(model, opt, 1, seed=step, features=WIDTH)
             mgr.save(step)
@@ -63,14 +65,29 @@ def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto"
     assert_same_state(gathered_state(fresh, fresh_opt), want)
     dist.barrier()
     left = sorted(os.listdir(root)) if rank == 0 else None
-    return seen, left
+    process = persist_process.client()
+    return seen, left, process.writes_done if process is not None else 0
 
 
 @pytest.mark.parametrize("write_mode", ["auto", "mmap"])
 def test_sharded_saves_write_over_every_ranks_retired_files(tmp_path: Path, write_mode: str) -> None:
     """``mmap``: files filled through mappings, as on tmpfs. Two ranks on one host: their persist
     processes keep no mappings (rank 0 could not ask rank 1's whether a file is in use)."""
-    (seen, left), _ = run_distributed(sharded_recycling, 2, str(tmp_path), write_mode, deadline_secs=120)
+    (seen, left, _), _ = run_distributed(sharded_recycling, 2, str(tmp_path), write_mode, deadline_secs=120)
+    _check_recycling(seen, left)
+
+
+def test_sharded_host_budget_streams_each_rank_through_its_persist_process(tmp_path: Path) -> None:
+    """Under a host budget each rank's ring is written by that rank's persist process (chunk by chunk:
+    many requests a save), over retired files as without a budget, and restores bit-exact."""
+    results = run_distributed(sharded_recycling, 2, str(tmp_path), "auto", 8 << 20, deadline_secs=150)
+    (seen, left, _), _ = results
+    _check_recycling(seen, left)
+    for _, _, writes in results:
+        assert writes >= 4 * 10  # four saves of ~80 MB a rank through 2 MiB chunks
+
+
+def _check_recycling(seen: list[dict[str, int]], left: list[str]) -> None:
     by_step = [{v for k, v in s.items() if k.startswith("step-")} for s in seen]
     binned = [{v for k, v in s.items() if k.startswith(recycle.BIN_NAME)} for s in seen]
     assert len(by_step[0]) == 2  # one shard file a rank
