@@ -150,6 +150,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
 # -- helpers the distributed scenarios share (run inside the ranks) ------------------------------------
 
 
+def world_mesh() -> Any:
+    """A 1-D mesh of every rank on :func:`device`'s type.
+
+    Why explicit: ``fully_shard`` without a mesh builds one on CUDA whenever CUDA is available, and
+    gloo ranks on a one-GPU host then ask for ``cuda:1`` ("invalid device ordinal")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device().type, (dist.get_world_size(),))
+
+
 def fsdp2_with_adamw(model_cls: Callable[[], Any], seed: int) -> tuple[Any, Any]:
     """``model_cls()`` seeded with ``seed`` on this rank's device, its ``a`` submodule and then the whole
     model wrapped with FSDP2 (``fully_shard``), and an AdamW over it."""
@@ -158,8 +169,9 @@ def fsdp2_with_adamw(model_cls: Callable[[], Any], seed: int) -> tuple[Any, Any]
 
     torch.manual_seed(seed)
     model = model_cls().to(device())
-    fully_shard(model.a)
-    fully_shard(model)
+    mesh = world_mesh()
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dist_harness import device, run_distributed
+from dist_harness import device, run_distributed, world_mesh
 
 import checkpointd
 from checkpointd import CheckpointManager
@@ -53,9 +53,10 @@ def _build() -> tuple[nn.Module, torch.optim.Optimizer, Any, nn.Module]:
 
     torch.manual_seed(0)
     net = Net().to(device())
+    mesh = world_mesh()
     for layer in [*net.layers, net.extra]:
-        fully_shard(layer)
-    fully_shard(net)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     opt = torch.optim.AdamW(net.layers.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     head = nn.Linear(4, 2).to(device())

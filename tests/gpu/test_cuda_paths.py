@@ -364,28 +364,34 @@ def test_arena_page_locked_in_pieces_copies_async_and_bit_exact(monkeypatch, sha
 
 def test_a_save_waiting_for_its_arena_ends_the_registration_pauses(tmp_path, monkeypatch):
     """The arena is page-locked piece by piece with pauses (so the training's CUDA calls are held only
-    briefly); a save that needs it before it is ready sets ``hurry`` and the rest is registered
-    without pauses, with the real ``cudaHostRegister``."""
+    briefly); a save that needs it before it is ready sets ``hurry``: the pause under way ends and the
+    rest is registered without pauses, with the real ``cudaHostRegister``."""
     import time
 
     from checkpointd.snapshot import StagingArena
 
     monkeypatch.setenv("CHECKPOINTD_REGISTER_PIECE_MB", "64")
-    monkeypatch.setenv("CHECKPOINTD_REGISTER_PAUSE", "20")
+    monkeypatch.setenv("CHECKPOINTD_REGISTER_PAUSE", "300")  # each pause 300x its piece's registration
+    pauses: list[tuple[float, float, bool]] = []  # (asked, took, hurried before it began)
+    paused = threading.Event()
+    real_pause = StagingArena._pause
+
+    def pause(self, secs):
+        hurried = self._hurry is not None and self._hurry.is_set()
+        paused.set()
+        t0 = time.perf_counter()
+        real_pause(self, secs)
+        pauses.append((secs, time.perf_counter() - t0, hurried))
+
+    monkeypatch.setattr(StagingArena, "_pause", pause)
     model = _big_model()  # 1.6 GB with AdamW's state: 25 pieces
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     _train_step(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    # unhurried, the same bytes in the same pieces take this long (pauses included)
-    reference = StagingArena([((state_bytes,), (1,), torch.uint8)], pin=True, shared=False)
-    assert reference.pinned
-    full = reference.prepare_secs["register"]
-    reference.release()
-    del reference
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None)
     _train_step(model, opt)  # its post-step hook starts preparing the arena in the background
-    time.sleep(min(1.0, full / 6))  # past the page allocation, into the pieces and their pauses
+    assert paused.wait(60), "the arena's registration never paused"
     assert mgr._snap._preparing, "the arena must still be in preparation when the save comes"
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     mgr.save(1)
@@ -393,8 +399,11 @@ def test_a_save_waiting_for_its_arena_ends_the_registration_pauses(tmp_path, mon
     stats = mgr.stats()
     assert stats["pinned_bytes"] >= state_bytes
     assert stats["staging_arena_wait_secs"] > 0  # the save did wait for it
-    hurried = stats["staging_prepare_secs"]["register"]
-    assert hurried < 0.5 * full, (hurried, full)
+    assert len(pauses) == stats["staging_prepare_secs"]["pieces"] - 1 >= 20
+    later = [p for p in pauses if p[2]]
+    assert later and all(took < 0.005 for _, took, _ in later), later  # pauses after the save came: none
+    asked = sum(a for a, _, _ in later)
+    assert stats["staging_arena_wait_secs"] < asked, (stats["staging_arena_wait_secs"], asked)  # what hurry saved
     mgr.close()
     saved = load(tmp_path, step=1)["model"]
     for k, v in expected.items():
