@@ -158,6 +158,35 @@ def test_a_waiting_save_hurries_the_preparation(monkeypatch):
     snap.close()
 
 
+def test_cpu_only_state_is_not_page_locked_on_a_cuda_host(monkeypatch):
+    """Pinning buys a CPU tensor's copy nothing and would bring up a CUDA context: on a CUDA host only
+    layouts with device tensors are page-locked, ahead of time and at the save alike."""
+    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "0")
+    monkeypatch.setattr(StagingArena, "_unregister", lambda self: setattr(self, "_registered", []))
+    rec = _Recorder()
+    monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(rec))
+    snap = snapshot.Snapshotter()
+    snap.cuda = True  # a CUDA host (the driver call replaced above)
+    tensors = [torch.randn(300_000), torch.arange(1000)]
+    specs = [tensor_spec(t) for t in tensors]
+    snap.prepare_async(specs, None, [False, False])
+    staged = snap.snapshot(tensors)
+    assert staged.arena is not None and not staged.arena.pinned and rec.calls == []
+    assert snap.arena_allocations == 1 and snap.pinned_bytes == 0  # the prepared arena was used
+    assert all(torch.equal(a, b) for a, b in zip(staged.staged, tensors))
+    snap.release(staged)
+    unprepared = snap.snapshot([torch.randn(5000)])  # a new layout, allocated at the save
+    assert not unprepared.arena.pinned and rec.calls == [] and snap.arena_allocations == 2
+    snap.release(unprepared)
+    other = [torch.randn(1000)]
+    snap.prepare_async([tensor_spec(other[0])], None, [True])  # a layout with a device tensor: pinned
+    deadline = time.monotonic() + 10
+    while snap.arena_allocations < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert snap.arena_allocations == 3 and rec.calls and snap.pinned_bytes > 0
+    snap.close()
+
+
 def test_bad_environment_values_name_the_variable(monkeypatch):
     monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "lots")
     with pytest.raises(ValueError, match="CHECKPOINTD_REGISTER_PIECE_MB='lots'"):

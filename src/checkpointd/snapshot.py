@@ -562,7 +562,7 @@ class Snapshotter:
         """
         key = tuple(specs)
         device_key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if on_cuda)
-        pin = self.cuda
+        pin = self.cuda and (not cuda_mask or any(cuda_mask))  # see snapshot(): CPU-only state is not pinned
         if self._ring_mode(cuda_mask):  # host budget: the ring, plus an unpinned arena for CPU tensors
             self._prepare_ring_async()
             key = tuple(sp for sp, on_cuda in zip(specs, cuda_mask) if not self._streamed_device(on_cuda))
@@ -743,7 +743,11 @@ class Snapshotter:
         on_cuda = [t.is_cuda for t in tensors]
         if self._ring_mode(on_cuda):
             return self._snapshot_streamed(tensors, specs, n_buffer_tensors)
-        arena = self._acquire(specs)
+        # Pinned only for device-to-host copies: a CPU-only state on a CUDA host gains nothing from
+        # page-locked buffers (its copies are memcpy), and page-locking would bring up a CUDA context in
+        # a process that never used one (GPU memory, seconds, and the CUDA RNG state entering the next
+        # save's layout, so that save allocates again).
+        arena = self._acquire(specs, pin=self.cuda and any(on_cuda))
         staged = list(arena.buffers)
         device_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
         with torch.no_grad():  # no autograd here, so the sources need no detach()
