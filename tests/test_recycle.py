@@ -7,6 +7,7 @@ more than one save's worth and is gone after ``close()``; ``CHECKPOINTD_RECYCLE=
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -69,7 +70,8 @@ def _digest(path) -> str:
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode):
+def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode, monkeypatch):
+    monkeypatch.setenv(recycle.FILES_AHEAD_ENV, "0")  # the bin holds retired files only (files made ahead: below)
     model = _state()
     seen_inodes: list[set[int]] = []
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1,
@@ -101,6 +103,77 @@ def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compress
     with CheckpointManager(tmp_path, {"model": fresh}) as mgr:
         assert mgr.restore_latest() == 3
     assert torch.equal(fresh.weight, model.weight)
+
+
+def _wait_for_files_ahead(mgr, count: int) -> list[int]:
+    deadline = time.monotonic() + 30
+    while len(mgr._files_ahead.made) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(mgr._files_ahead.made)
+
+
+def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
+    """Blank files for the first two saves are made with the staging buffers (reserved, and on memory
+    file systems mapped by the persist process); the saves write into them and restore bit-exact."""
+    model = _state()
+    inodes: list[set[int]] = []
+    with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        assert mgr.restore_latest() is None  # nothing yet; the staging buffers (and files) are prepared now
+        made = _wait_for_files_ahead(mgr, 2)
+        assert len(made) == 2 and all(n >= model.weight.nbytes for n in made)  # one file a save, two saves
+        blank = {st.st_ino: st.st_size for k, st in _big_files(tmp_path).items() if k.startswith(BIN)}
+        assert len(blank) == 2 and all(os.stat(os.path.join(tmp_path, BIN, n)).st_blocks * 512 >= made[0]
+                                       for n in os.listdir(tmp_path / BIN))  # reserved, not sparse
+        if write_mode == "mmap":  # the persist process keeps them mapped, ahead of the first write
+            assert sum(1 for p in _persist_mappings(tmp_path) if BIN in p) == 2
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.normal_()
+            mgr.maybe_save(step)
+            mgr.wait()
+            files = _big_files(tmp_path)
+            inodes.append({files[k].st_ino for k in files if k.startswith(f"step-{step:09d}")})
+            assert torch.equal(load(tmp_path, step=step)["model"]["weight"], model.weight)
+            assert os.path.getsize(_step_file(tmp_path, step)) < max(made)  # the exact size was set
+    assert inodes[0] | inodes[1] == set(blank)  # saves 0 and 1 took the blank files
+    assert inodes[2] == inodes[0]  # save 2 took step 0's, retired
+    assert sorted(os.listdir(tmp_path)) == ["step-000000002"]
+
+
+def test_no_files_are_made_ahead_where_a_save_would_not_take_them(tmp_path, monkeypatch):
+    for root, kwargs, env in [(tmp_path / "zstd", {"compression": "zstd"}, {}),
+                              (tmp_path / "off", {"compression": None}, {recycle.FILES_AHEAD_ENV: "0"}),
+                              (tmp_path / "norecycle", {"compression": None}, {recycle.RECYCLE_ENV: "0"})]:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with CheckpointManager(root, {"model": _state()}, **kwargs) as mgr:
+            mgr.restore_latest()
+            assert mgr._files_ahead is False
+            assert not (root / BIN).exists()
+        for k in env:
+            monkeypatch.delenv(k)
+
+
+def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, monkeypatch):
+    store = Store(str(tmp_path))
+    calls = []
+
+    def full(fd, offset, length):
+        calls.append(length)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.ftruncate(fd, length)
+
+    monkeypatch.setattr(recycle.os, "posix_fallocate", full)
+    ahead = recycle.FilesAhead(store, [64 << 20, 32 << 20], sets=2)
+    ahead.start()
+    ahead.wait(30)
+    assert ahead.made == [64 << 20] and len(calls) == 2
+    assert [n.endswith(".bin") for n in os.listdir(tmp_path / BIN)] == [True]  # the failed one is gone
+    again = recycle.FilesAhead(store, [64 << 20], sets=1)  # the bin holds a file: a new run makes none
+    again.start()
+    again.wait(30)
+    assert again.made == []
 
 
 def _step_file(root, step: int) -> str:

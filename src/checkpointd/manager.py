@@ -46,7 +46,7 @@ from .errors import (
 from .policy import RetentionPolicy, SaveSchedule
 from .retention import MetricsCache, apply_retention
 from .rng import capture_rng, restore_rng
-from .savejob import prewarm_reductions, stage_save, staging_layout
+from .savejob import files_ahead, prewarm_reductions, stage_save, staging_layout
 from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
@@ -199,6 +199,8 @@ class CheckpointManager:
         # not here: pinning gigabytes in the background makes a restore that runs meanwhile read files
         # several times slower (page faults and cudaHostRegister contend), and a restore comes first.
         self._buffers_pending = True
+        self._files_ahead: Any = None
+        """Blank files for the first saves (``recycle.FilesAhead``), made with the staging buffers; False: none."""
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -490,6 +492,8 @@ class CheckpointManager:
         self._hooks.clear()
         self._writer.close()
         self._snap.close()
+        if getattr(self, "_files_ahead", None):
+            self._files_ahead.stop()
         if self._store.is_local:
             try:
                 recycle.empty(self._store)  # retired files kept for the next save: there is none
@@ -565,6 +569,8 @@ class CheckpointManager:
         except CheckpointError:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
+        if getattr(self, "_files_ahead", None) is None:
+            self._files_ahead = files_ahead(self._store, self._codec, files) or False
 
 
 __all__ = ["CheckpointManager"]

@@ -13,7 +13,10 @@ memory (:mod:`checkpointd.sharedmem`).
 The writing goes there: the tensor records of a ``.pt``/``.mdlus`` written by positional writes
 (:func:`checkpointd.ptlayout.write_image`), read from the slabs, and at the end, in one request per
 file, the zip headers and small members (a few hundred ``pwrite`` calls of a few bytes each, every one
-of which would drop and retake the training process's GIL). The layout, the headers' bytes, CRC
+of which would drop and retake the training process's GIL). Under a host staging budget the records
+arrive chunk by chunk in a shared ring (:mod:`checkpointd.chunkstream`): the file is attached once
+(:meth:`PersistProcess.attach`) and each chunk is one request (:meth:`RemoteFile.submit`), its slot
+freed when the process answers. The layout, the headers' bytes, CRC
 combination, fsync, manifest and commit stay in the training process. If the process cannot start, or dies,
 the same bytes are written by the in-process threads instead (logged once): slower, never lost.
 
@@ -146,6 +149,11 @@ class PersistProcess:
         request_id, future = self._request(("attach", end, mode, writeback), fd)
         future.result(timeout=timeout)
         return RemoteFile(self, request_id, lanes)
+
+    def keep_blank(self, fd: int, nbytes: int, timeout: float = 300.0) -> None:
+        """Have the process reserve the open file ``fd`` to ``nbytes``, map it with its pages faulted in,
+        and keep the mapping, so that the first write into it runs as fast as over a recycled file."""
+        self._submit(("keep", nbytes), fd).result(timeout=timeout)
 
     def submit_scatter(self, fd: int, pieces: list[tuple[int, bytes]]) -> Future[Any]:
         """Start ``pwrite``-ing each ``(offset, bytes)`` of ``pieces`` into the open file ``fd``.
@@ -361,6 +369,24 @@ def forget_slab(slab_id: int) -> None:
         current.unmap_slab(slab_id)
 
 
+def keep_blank_file(fd: int, nbytes: int) -> bool:
+    """For :class:`checkpointd.recycle.FilesAhead`: have the persist process reserve the open file ``fd``
+    and keep it mapped (:meth:`PersistProcess.keep_blank`) where it will write that file through a kept
+    mapping (a memory file system, one rank a host); False where it will not (the caller reserves it)."""
+    from . import ptlayout, sharedmem
+
+    if not sharedmem.supported() or ptlayout.persist_mode(fd)[0] != "mmap":
+        return False
+    process = client()
+    if process is None or not process.keeps_mappings:
+        return False
+    try:
+        process.keep_blank(fd, nbytes)
+    except PersistProcessError:
+        return False
+    return True
+
+
 def holds_only_open(st: os.stat_result) -> bool | None:
     """For retention's check that nothing else uses a retired file (:mod:`checkpointd.recycle`): the
     running persist process's answer (:meth:`PersistProcess.exclusive`), ``None`` where none runs, it
@@ -403,4 +429,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 __all__ = ["KEEP_MAPPINGS_ENV", "PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "RemoteFile", "client",
-           "forget_slab", "holds_only_open", "shutdown"]
+           "forget_slab", "holds_only_open", "keep_blank_file", "shutdown"]

@@ -27,6 +27,9 @@ as ``SCM_RIGHTS``). Requests:
   names the file from then on. Replies ``("ok", request_id, None)`` or a failure as ``write``;
 - ``("put", request_id, file_id, lanes, tasks)``: ``write``'s work on the attached file ``file_id``;
 - ``("detach", request_id, file_id)``: let the attached file go (its mapping is kept as after ``write``);
+- ``("keep", request_id, nbytes)`` + the open file: reserve it (``posix_fallocate``), map it, fault its
+  pages into the mapping (``MADV_POPULATE_WRITE`` where the kernel has it) and keep the mapping as
+  after a write: a blank file made ahead of a run's first saves (``checkpointd.recycle.FilesAhead``);
 - ``("exclusive", request_id, st_dev, st_ino)``: whether the file's mapping this process keeps (see
   :class:`_KeptFile`) is the only open file of it (a write lease on the kept descriptor), ``None`` if
   it keeps none; replies ``("ok", request_id, True | False | None)``.
@@ -57,6 +60,8 @@ HEADER = struct.Struct("<Q")
 MAX_FDS = 4
 MAX_KEPT_FILES = 64
 """Kept mappings beyond this many are let go, least recently written first."""
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault every page of a range in for writing (``mmap`` has no name for it before 3.13)."""
 PRUNE_INTERVAL_S = 0.5
 """How often the mappings of deleted files are let go (a deleted file's pages are freed only then)."""
 
@@ -256,9 +261,10 @@ class Server:
                 self.reply(("ok", message[1], self.exclusive((message[2], message[3]))))
             elif kind == "detach":
                 self.detach(message)
-            elif kind in ("write", "scatter", "attach", "put"):
+            elif kind in ("write", "scatter", "attach", "put", "keep"):
                 handlers: dict[str, Callable[[tuple, Any], None]] = {
-                    "write": self.write, "scatter": self.scatter, "attach": self.attach, "put": self.put}
+                    "write": self.write, "scatter": self.scatter, "attach": self.attach, "put": self.put,
+                    "keep": self.keep_blank}
                 target = handlers[kind]
                 thread = threading.Thread(target=target, args=(message, fds[0] if fds else None), daemon=True)
                 self.writes.add(thread)
@@ -308,6 +314,22 @@ class Server:
                 os.close(target.fd)
 
         self._answer(request_id, None, work, track=False)
+
+    def keep_blank(self, message: tuple, fd: int) -> None:
+        request_id, nbytes = message[1], message[2]
+
+        def work() -> None:
+            os.posix_fallocate(fd, 0, nbytes)
+            if not self.keep or nbytes <= 0:
+                return
+            entry = _KeptFile(fd, nbytes)
+            try:
+                entry.mapping.madvise(MADV_POPULATE_WRITE)
+            except (OSError, ValueError):
+                pass  # an older kernel: the first write faults the pages in instead
+            self._checkin(entry)
+
+        self._answer(request_id, fd, work)
 
     def scatter(self, message: tuple, fd: int) -> None:
         _kind, request_id, pieces = message[:3]

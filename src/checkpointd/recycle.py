@@ -31,13 +31,19 @@ What keeps this safe:
   or emptied by ``checkpointd gc`` (a running job then just writes its next save into new files).
 
 ``CHECKPOINTD_RECYCLE=0`` turns recycling off (files are deleted, new ones created).
+
+A run's first saves have nothing retired to write over, so blank files for them are made ahead, in the
+background, like the pinned staging buffers (:class:`FilesAhead`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -45,7 +51,12 @@ try:
 except ImportError:  # not POSIX: no leases, no recycling
     fcntl = None  # type: ignore[assignment]
 
+logger = logging.getLogger("checkpointd")
+
 RECYCLE_ENV = "CHECKPOINTD_RECYCLE"
+FILES_AHEAD_ENV = "CHECKPOINTD_FILES_AHEAD"
+"""Sets of blank files made ahead of a run's first saves (:class:`FilesAhead`); default 2, ``0``: none."""
+FILES_AHEAD_SETS = 2
 BIN_NAME = ".checkpointd-recycle"
 """The bin's directory name under the checkpoint root (not step-shaped: listings ignore it)."""
 MIN_RECYCLE_BYTES = 16 << 20
@@ -219,5 +230,104 @@ def take(directory: str, path: str, nbytes: int) -> bool:
     return False
 
 
-__all__ = ["BIN_NAME", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "bin_dir", "bin_for", "contents", "empty", "enabled",
-           "take"]
+class FilesAhead:
+    """Blank files in the bin for a run's first saves, made on a background thread.
+
+    Why: a save writes over a retired checkpoint's files (above), but the first saves of a run have none
+    (with ``keep_last=1`` the first two), and on tmpfs every page of a new file is allocated and zeroed
+    while the save writes it. Under a host staging budget, where training waits for the writes, the
+    first two saves of the 4.83 GB reference stalled 650-900 ms against 283-330 over retired files (H200,
+    ``benchmarks/RESULTS.md``, session 22); the default path persists new files at 0.5-0.6x the rate over
+    retired ones. So the files are made once the state's layout is known (with the staging buffers): one
+    per large file of a save, ``sets`` times (default :data:`FILES_AHEAD_SETS`: the first two saves; a
+    run keeps that many checkpoints' files from its second save on anyway), each a little larger than its
+    tensors (:meth:`write_file` sets the exact size). On memory file systems the persist process makes
+    them (reserved, mapped with their pages in, at its idle priority) and keeps the mappings, so the first
+    save writes as fast as later ones; elsewhere this thread reserves them (``posix_fallocate``).
+
+    Nothing is made where the bin already holds files (a previous run's, taken first) or recycling does
+    not apply. On any failure (a full disk) the file being made is removed and no more are made.
+    Retention's next retirement deletes what no save took, ``close()`` empties the bin.
+    """
+
+    def __init__(self, store: Any, sizes: Sequence[int], sets: int,
+                 premap: Callable[[int, int], bool] | None = None) -> None:
+        """``premap(fd, nbytes)``: reserves and maps the file elsewhere (the persist process) and returns
+        True, or returns False to have it reserved here."""
+        self.directory = bin_dir(store)
+        self.sizes = sorted((n for n in sizes if n >= MIN_RECYCLE_BYTES), reverse=True)
+        self.sets = sets
+        self.premap = premap
+        self.made: list[int] = []
+        """Sizes of the files made so far (tests, stats)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpointd-files-ahead", daemon=True)
+
+    @staticmethod
+    def sets_wanted() -> int:
+        try:
+            return max(0, int(os.environ.get(FILES_AHEAD_ENV, "") or FILES_AHEAD_SETS))
+        except ValueError:
+            return FILES_AHEAD_SETS
+
+    def start(self) -> None:
+        if self.sizes and self.sets > 0:
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every file is made (or the making stopped)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Make no more files and wait for the one being made (before the bin is emptied)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass
+        if _bin_entries(self.directory):
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError:
+            return
+        for _ in range(self.sets):
+            for nbytes in self.sizes:
+                if self._stop.is_set() or not self._make(nbytes):
+                    return
+
+    def _make(self, nbytes: int) -> bool:
+        name = uuid.uuid4().hex
+        checking = os.path.join(self.directory, name + _CHECKING)  # not taken before it is whole
+        try:
+            fd = os.open(checking, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError:
+            return False
+        try:
+            try:
+                if self.premap is None or not self.premap(fd, nbytes):
+                    os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            os.rename(checking, os.path.join(self.directory, name + _READY))
+        except Exception as exc:  # noqa: BLE001 - a full disk, the bin emptied meanwhile: saves make their own
+            logger.debug("checkpointd: no blank file of %d bytes made ahead: %s", nbytes, exc)
+            _unlink(checking)
+            return False
+        self.made.append(nbytes)
+        return True
+
+
+def sizes_ahead(tensor_bytes: Sequence[int]) -> list[int]:
+    """Blank-file sizes for files holding ``tensor_bytes`` of tensors each: room for the zip's headers,
+    the pickle and alignment too (:func:`take` picks the smallest file that fits)."""
+    return [n + n // 256 + (4 << 20) for n in tensor_bytes]
+
+
+__all__ = ["BIN_NAME", "FILES_AHEAD_ENV", "FILES_AHEAD_SETS", "FilesAhead", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement",
+           "bin_dir", "bin_for", "contents", "empty", "enabled", "sizes_ahead", "take"]

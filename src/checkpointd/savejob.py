@@ -14,6 +14,7 @@ needs only their layout. ``before_write`` then lays out the chunk stream in each
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -26,7 +27,7 @@ from .serialize import ReductionCache, plan_pt
 from .chunkstream import ChunkStream
 from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree
-from .writer import FileJob, SaveJob
+from .writer import PARALLEL_WRITE_ENV, FileJob, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
@@ -121,6 +122,24 @@ def staging_layout(entries: Sequence[Entry], files: Sequence[FileContent]) -> tu
     ordered = [tensors[i] for i in order]
     cuda_device = next((t.device for t in ordered if t.device.type == "cuda"), None)
     return [tensor_spec(t) for t in ordered], cuda_device, [t.device.type == "cuda" for t in ordered]
+
+
+def files_ahead(store: Any, codec: Any, files: Sequence[FileContent]) -> Any:
+    """Blank files for the first saves of ``files`` (:class:`checkpointd.recycle.FilesAhead`), started;
+    None where saves would not take them (no recycling, a codec, streaming writes) or they are turned off."""
+    from . import persist_process, recycle
+
+    sets = recycle.FilesAhead.sets_wanted()
+    if (sets == 0 or not recycle.enabled(store) or getattr(codec, "name", None) != "none"
+            or os.environ.get(PARALLEL_WRITE_ENV, "1") == "0"):
+        return None
+    tensor_bytes = []
+    for f in files:
+        _, tensors = collect_tensors([f.tree])
+        tensor_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
+    ahead = recycle.FilesAhead(store, recycle.sizes_ahead(tensor_bytes), sets, premap=persist_process.keep_blank_file)
+    ahead.start()
+    return ahead
 
 
 def entry_locations(entries: Sequence[Entry], files: Sequence[FileContent]) -> dict[str, EntryLocation]:
