@@ -45,6 +45,7 @@ def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto"
     from checkpointd import persist_process, snapshot
 
     os.environ["CHECKPOINTD_WRITE_MODE"] = write_mode  # here: a forkserver's children do not see the test's environment
+    os.environ["CHECKPOINTD_FILES_AHEAD"] = "0"  # the bin holds retired files only (files made ahead: test_recycle.py)
     snapshot.STREAM_CPU_TENSORS = budget is not None  # CPU shards through the host budget's ring, as CUDA ones
     model, opt = fsdp2_with_adamw(_Net, seed=0)
     seen = []

@@ -246,7 +246,8 @@ class FilesAhead:
     save writes as fast as later ones; elsewhere this thread reserves them (``posix_fallocate``).
 
     Nothing is made where the bin already holds files (a previous run's, taken first) or recycling does
-    not apply. On any failure (a full disk) the file being made is removed and no more are made.
+    not apply. Ranks of one host share the bin, so there the first rank to start makes its files and the
+    others find the bin in use: their first save takes those files if they fit, else makes new ones. On any failure (a full disk) the file being made is removed and no more are made.
     Retention's next retirement deletes what no save took, ``close()`` empties the bin.
     """
 
