@@ -15,6 +15,7 @@ import torch
 from checkpointd import CheckpointManager, fsinfo, persist_process, ptlayout, sharedmem
 from checkpointd.manifest import Manifest
 from checkpointd.serialize import plan_pt
+from persist_requests import record_requests
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -102,20 +103,11 @@ def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
-    requests: list[tuple] = []
     with CheckpointManager(tmp_path, {"model": model, "optimizer": opt}, compression=None) as mgr:
         mgr.save(1)
         mgr.wait()
+        requests = record_requests(monkeypatch, "write")
         process = persist_process.client()
-        assert process is not None and process.alive
-        real_send = process._send
-
-        def send(message: tuple, fds: list[int] | None = None) -> None:
-            if message[0] == "write":
-                requests.append(message)
-            real_send(message, fds)
-
-        monkeypatch.setattr(process, "_send", send)
         before = process.writes_done
         mgr.save(2)
         mgr.wait()
@@ -146,18 +138,7 @@ def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeyp
     if device == "cpu":
         monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)  # CPU tensors through the chunk ring, as CUDA's
     calls = _record_writebacks(monkeypatch)
-    requests: list[tuple] = []
-    if writer == "persist-process":
-        process = persist_process.client()
-        assert process is not None
-        real_send = process._send
-
-        def send(message: tuple, fds: list[int] | None = None) -> None:
-            if message[0] in ("attach", "put"):
-                requests.append(message)
-            real_send(message, fds)
-
-        monkeypatch.setattr(process, "_send", send)
+    requests = record_requests(monkeypatch, "attach", "put") if writer == "persist-process" else []
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)).to(device)
     with CheckpointManager(tmp_path, {"model": model}, compression=None, host_staging_budget_bytes=2 << 20) as mgr:

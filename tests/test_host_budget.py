@@ -29,6 +29,7 @@ from checkpointd.errors import ConfigError
 from checkpointd.testing.faults import Fault, FaultPlan
 from tree_compare import assert_tree_equal
 from fake_physicsnemo import FakePNModule
+from persist_requests import record_requests
 
 MiB = 1 << 20
 
@@ -322,22 +323,6 @@ def test_write_failure_fails_the_save_without_hanging_training(tmp_path, stream_
 needs_persist_process = pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
 
 
-def _record_puts(monkeypatch) -> list[tuple]:
-    """Every ``put`` request sent to the (started) persist process."""
-    process = persist_process.client()
-    assert process is not None and process.alive
-    puts: list[tuple] = []
-    real_send = process._send
-
-    def send(message: tuple, fds: list[int] | None = None) -> None:
-        if message[0] == "put":
-            puts.append(message)
-        real_send(message, fds)
-
-    monkeypatch.setattr(process, "_send", send)
-    return puts
-
-
 @needs_persist_process
 def test_the_persist_process_writes_the_chunks(tmp_path, monkeypatch, stream_cpu):
     """The ring lives in shared memory and each chunk is one ``put`` request of ranges of one ring slot;
@@ -352,7 +337,7 @@ def test_the_persist_process_writes_the_chunks(tmp_path, monkeypatch, stream_cpu
     slots, _ = save(str(tmp_path / "here"))
     assert slots is None  # private memory: the old path
     monkeypatch.delenv(sharedmem.SHARED_STAGING_ENV)
-    puts = _record_puts(monkeypatch)
+    puts = record_requests(monkeypatch, "put")
     before = persist_process.client().writes_done
     slots, chunk_bytes = save(str(tmp_path / "there"))
     assert slots is not None and len({slab.id for slab, _ in slots}) == 1
