@@ -587,24 +587,15 @@ class _FileFill:
 
     # -- here ------------------------------------------------------------------------------------------
     def _write_here(self, c: ChunkPlan) -> list[tuple[Any, int, int, int]]:
-        from .crc import crc32
-        from .ptlayout import CRC_SLICE_BYTES
+        from .ptlayout import _put_task  # the in-process writers' slice-by-slice CRC and put
 
         stream = self.stream
-        out = []
         try:
             stream._await(c)
-            for part in c.parts:
-                piece = self.pieces[part.key]
-                view = stream.chunk_view(part)
-                crc = 0
-                for pos in range(0, view.nbytes, CRC_SLICE_BYTES):
-                    sl = view[pos:pos + CRC_SLICE_BYTES]
-                    crc = crc32(sl, crc)
-                    self.put(sl, piece.offset + part.start + pos)
-                if self.written is not None:
-                    self.written(piece.offset + part.start, view.nbytes)
-                out.append((piece, part.start, part.start + part.length, crc))
+            pieces = [self.pieces[part.key] for part in c.parts]
+            crcs = _put_task(self.put, [(piece.offset + part.start, stream.chunk_view(part))
+                                        for piece, part in zip(pieces, c.parts)], self.written)
+            out = [(piece, part.start, part.start + part.length, crc) for piece, part, crc in zip(pieces, c.parts, crcs)]
         except BaseException as exc:
             stream.abort(exc)
             raise

@@ -319,15 +319,15 @@ class Server:
         request_id, nbytes = message[1], message[2]
 
         def work() -> None:
-            os.posix_fallocate(fd, 0, nbytes)
-            if not self.keep or nbytes <= 0:
+            _put, _written, entry = self._open(fd, nbytes, "mmap", False)  # reserved and mapped as for a write
+            if entry is None:
                 return
-            entry = _KeptFile(fd, nbytes)
-            try:
-                entry.mapping.madvise(MADV_POPULATE_WRITE)
-            except (OSError, ValueError):
-                pass  # an older kernel: the first write faults the pages in instead
-            self._checkin(entry)
+            if self.keep:
+                try:
+                    entry.mapping.madvise(MADV_POPULATE_WRITE)
+                except (OSError, ValueError):
+                    pass  # an older kernel: the first write faults the pages in instead
+            self._checkin(entry)  # let go of at once where mappings are not kept
 
         self._answer(request_id, fd, work)
 
