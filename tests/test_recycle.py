@@ -13,6 +13,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -174,6 +175,47 @@ def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, mon
     again.start()
     again.wait(30)
     assert again.made == []
+
+
+def test_files_ahead_wait_while_the_staging_buffers_are_prepared(tmp_path):
+    """No blank file is begun while ``busy()`` (the staging buffers being page-locked); stopped while
+    waiting, none is made at all."""
+    busy = threading.Event()
+    busy.set()
+    ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [32 << 20], sets=2, busy=busy.is_set)
+    ahead.start()
+    time.sleep(0.4)
+    assert ahead.made == [] and not (tmp_path / "a" / BIN).exists()
+    busy.clear()
+    ahead.wait(30)
+    assert ahead.made == [32 << 20, 32 << 20]
+    busy.set()
+    stopped = recycle.FilesAhead(Store(str(tmp_path / "b")), [32 << 20], sets=1, busy=busy.is_set)
+    stopped.start()
+    t0 = time.monotonic()
+    stopped.stop()
+    assert time.monotonic() - t0 < 5 and stopped.made == [] and not (tmp_path / "b" / BIN).exists()
+
+
+def test_the_manager_makes_files_ahead_once_its_staging_buffers_are_ready(tmp_path, monkeypatch):
+    from checkpointd import snapshot
+
+    gate = threading.Event()
+    prepare = snapshot.Snapshotter._prepare
+
+    def slow_prepare(self, *args, **kwargs):
+        gate.wait(30)  # an arena still being page-locked
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot.Snapshotter, "_prepare", slow_prepare)
+    model = _state()
+    with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        mgr.restore_latest()  # the staging buffers (and the files ahead) are started now
+        time.sleep(0.4)
+        assert mgr._snap.preparing() and mgr._files_ahead.made == []
+        gate.set()
+        assert len(_wait_for_files_ahead(mgr, 2)) == 2
+        assert not mgr._snap.preparing()
 
 
 def _step_file(root, step: int) -> str:

@@ -570,7 +570,7 @@ class CheckpointManager:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
         if getattr(self, "_files_ahead", None) is None:
-            self._files_ahead = files_ahead(self._store, self._codec, files) or False
+            self._files_ahead = files_ahead(self._store, self._codec, files, busy=self._snap.preparing) or False
 
 
 __all__ = ["CheckpointManager"]

@@ -238,27 +238,33 @@ class FilesAhead:
     while the save writes it. Under a host staging budget, where training waits for the writes, the
     first two saves of the 4.83 GB reference stalled 650-900 ms against 283-330 over retired files (H200,
     ``benchmarks/RESULTS.md``, session 22); the default path persists new files at 0.5-0.6x the rate over
-    retired ones. So the files are made once the state's layout is known (with the staging buffers): one
+    retired ones. So the files are made once the state's layout is known (after the staging buffers): one
     per large file of a save, ``sets`` times (default :data:`FILES_AHEAD_SETS`: the first two saves; a
     run keeps that many checkpoints' files from its second save on anyway), each a little larger than its
     tensors (:meth:`write_file` sets the exact size). On memory file systems the persist process makes
     them (reserved, mapped with their pages in, at its idle priority) and keeps the mappings, so the first
     save writes as fast as later ones; elsewhere this thread reserves them (``posix_fallocate``).
 
-    Nothing is made where the bin already holds files (a previous run's, taken first) or recycling does
-    not apply. Ranks of one host share the bin, so there the first rank to start makes its files and the
-    others find the bin in use: their first save takes those files if they fit, else makes new ones. On any failure (a full disk) the file being made is removed and no more are made.
+    Nothing is made while ``busy()`` says staging buffers are being prepared (checked before each
+    file): making files beside their page-locking slowed both, and training with them (the default
+    path's steps before its first save: 352 ms more in all against 115 without files ahead, the
+    registration 1.29 s against 0.79; H200, ``benchmarks/RESULTS.md``, session 23). Nothing is made
+    where the bin already holds files (a previous run's, taken first) or recycling does not apply.
+    Ranks of one host share the bin, so there the first rank to start makes its files and the others
+    find the bin in use: their first save takes those files if they fit, else makes new ones. On any
+    failure (a full disk) the file being made is removed and no more are made.
     Retention's next retirement deletes what no save took, ``close()`` empties the bin.
     """
 
     def __init__(self, store: Any, sizes: Sequence[int], sets: int,
-                 premap: Callable[[int, int], bool] | None = None) -> None:
+                 premap: Callable[[int, int], bool] | None = None, busy: Callable[[], bool] | None = None) -> None:
         """``premap(fd, nbytes)``: reserves and maps the file elsewhere (the persist process) and returns
-        True, or returns False to have it reserved here."""
+        True, or returns False to have it reserved here. ``busy()``: while True, no file is begun."""
         self.directory = bin_dir(store)
         self.sizes = sorted((n for n in sizes if n >= MIN_RECYCLE_BYTES), reverse=True)
         self.sets = sets
         self.premap = premap
+        self.busy = busy
         self.made: list[int] = []
         """Sizes of the files made so far (tests, stats)."""
         self._stop = threading.Event()
@@ -291,7 +297,7 @@ class FilesAhead:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
         except (AttributeError, OSError):
             pass
-        if _bin_entries(self.directory):
+        if not self._idle() or _bin_entries(self.directory):
             return
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -299,8 +305,15 @@ class FilesAhead:
             return
         for _ in range(self.sets):
             for nbytes in self.sizes:
-                if self._stop.is_set() or not self._make(nbytes):
+                if not self._idle() or not self._make(nbytes):
                     return
+
+    def _idle(self) -> bool:
+        """Wait while ``busy()``; False once stopped."""
+        while self.busy is not None and self.busy():
+            if self._stop.wait(0.05):
+                return False
+        return not self._stop.is_set()
 
     def _make(self, nbytes: int) -> bool:
         name = uuid.uuid4().hex

@@ -124,9 +124,10 @@ def staging_layout(entries: Sequence[Entry], files: Sequence[FileContent]) -> tu
     return [tensor_spec(t) for t in ordered], cuda_device, [t.device.type == "cuda" for t in ordered]
 
 
-def files_ahead(store: Any, codec: Any, files: Sequence[FileContent]) -> Any:
-    """Blank files for the first saves of ``files`` (:class:`checkpointd.recycle.FilesAhead`), started;
-    None where saves would not take them (no recycling, a codec, streaming writes) or they are turned off."""
+def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Callable[[], bool] | None = None) -> Any:
+    """Blank files for the first saves of ``files`` (:class:`checkpointd.recycle.FilesAhead`), started
+    (made once ``busy()`` is False); None where saves would not take them (no recycling, a codec,
+    streaming writes) or they are turned off."""
     from . import persist_process, recycle
 
     sets = recycle.FilesAhead.sets_wanted()
@@ -137,7 +138,8 @@ def files_ahead(store: Any, codec: Any, files: Sequence[FileContent]) -> Any:
     for f in files:
         _, tensors = collect_tensors([f.tree])
         tensor_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
-    ahead = recycle.FilesAhead(store, recycle.sizes_ahead(tensor_bytes), sets, premap=persist_process.keep_blank_file)
+    ahead = recycle.FilesAhead(store, recycle.sizes_ahead(tensor_bytes), sets, premap=persist_process.keep_blank_file,
+                               busy=busy)
     ahead.start()
     return ahead
 

@@ -661,6 +661,14 @@ class Snapshotter:
             with self._lock:
                 staged.arena.busy = False
 
+    def preparing(self) -> bool:
+        """Whether staging buffers (an arena, the host budget's ring) are being allocated and page-locked
+        on a background thread now."""
+        with self._lock:
+            threads = [thread for thread, _ in self._preparing.values()]
+        ring = self._ring_thread
+        return any(t.is_alive() for t in threads) or (ring is not None and ring.is_alive())
+
     def close(self) -> None:
         with self._lock:
             threads = []
