@@ -218,6 +218,66 @@ def test_the_manager_makes_files_ahead_once_its_staging_buffers_are_ready(tmp_pa
         assert not mgr._snap.preparing()
 
 
+def test_files_ahead_follow_the_optimizer_state_that_appears_after_the_first_preparation(tmp_path):
+    """A run that calls ``restore_latest()`` before its first step prepares the staging buffers (and
+    the blank files) before the optimizer has state; once it has, the optimizer's file (the largest)
+    gets its blank files too, and the first save writes both files into blank ones."""
+    model = torch.nn.Linear(2048, 2048, bias=False)
+    opt = torch.optim.Adam(model.parameters())
+    with CheckpointManager(tmp_path, {"model": model, "optim": opt}, every_n_steps=100, keep_last=1,
+                           compression=None) as mgr:
+        assert mgr.restore_latest() is None
+        model_size = model.weight.nbytes
+        assert len(_wait_for_files_ahead(mgr, 2)) == 2 and all(n < 2 * model_size for n in mgr._files_ahead.made)
+        model(torch.randn(2, 2048)).sum().backward()
+        opt.step()  # the optimizer's state (2x the weights) appears; its hook prepares buffers again
+        made = _wait_for_files_ahead(mgr, 4)
+        assert sorted(made) == sorted(mgr._files_ahead.made) and len(made) == 4
+        assert sum(n >= 2 * model_size for n in made) == 2  # two saves' worth for the optimizer's file
+        blank = {st.st_ino for k, st in _big_files(tmp_path).items() if k.startswith(BIN)}
+        mgr.maybe_save(0, force=True)
+        mgr.wait()
+        saved = {k: st for k, st in _big_files(tmp_path).items() if k.startswith("step-")}
+        assert len(saved) == 2 and {st.st_ino for st in saved.values()} <= blank  # both files were blank ones
+    fresh = torch.nn.Linear(2048, 2048, bias=False)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with CheckpointManager(tmp_path, {"model": fresh, "optim": fresh_opt}) as mgr:
+        assert mgr.restore_latest() == 0
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg_sq"], opt.state_dict()["state"][0]["exp_avg_sq"])
+
+
+def test_files_ahead_make_what_a_new_layout_is_missing(tmp_path):
+    mb = 1 << 20
+    ahead = recycle.FilesAhead(Store(str(tmp_path)), [20 * mb], sets=2)
+    ahead.start()
+    ahead.wait(30)
+    assert ahead.made == [20 * mb, 20 * mb]
+    ahead.want([20 * mb, 50 * mb, 30 * mb])  # one save's files now: the first save's set first
+    deadline = time.monotonic() + 30
+    while len(ahead.made) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ahead.wait(30)
+    assert ahead.made == [20 * mb, 20 * mb, 50 * mb, 30 * mb, 50 * mb, 30 * mb]
+    assert ahead.sizes == [50 * mb, 30 * mb, 20 * mb]
+
+
+def test_a_file_much_larger_than_needed_is_left_for_a_larger_one(tmp_path):
+    """``take`` leaves a file more than 1.5x the size asked for (the model's file took the optimizer's
+    blank file, twice its size, and the optimizer's found none); a smaller one is taken and grown."""
+    bin_ = tmp_path / BIN
+    bin_.mkdir()
+    mb = 1 << 20
+    with open(bin_ / "big.bin", "wb") as f:
+        f.truncate(100 * mb)
+    assert not recycle.take(str(bin_), str(tmp_path / "small.pt"), 40 * mb)
+    assert recycle.take(str(bin_), str(tmp_path / "fits.pt"), 70 * mb)
+    assert os.path.getsize(tmp_path / "fits.pt") == 100 * mb
+    with open(bin_ / "smaller.bin", "wb") as f:
+        f.truncate(20 * mb)
+    assert recycle.take(str(bin_), str(tmp_path / "larger.pt"), 90 * mb)  # e.g. compressed: asked for its raw size
+
+
 def _step_file(root, step: int) -> str:
     (name,) = [k for k in _big_files(root) if k.startswith(f"step-{step:09d}/")]
     return os.path.join(root, name)

@@ -46,7 +46,7 @@ from .errors import (
 from .policy import RetentionPolicy, SaveSchedule
 from .retention import MetricsCache, apply_retention
 from .rng import capture_rng, restore_rng
-from .savejob import files_ahead, prewarm_reductions, stage_save, staging_layout
+from .savejob import blank_file_sizes, files_ahead, prewarm_reductions, stage_save, staging_layout
 from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
@@ -571,6 +571,8 @@ class CheckpointManager:
         self._snap.prepare_async(*staging_layout(self._entries, files))
         if getattr(self, "_files_ahead", None) is None:
             self._files_ahead = files_ahead(self._store, self._codec, files, busy=self._snap.preparing) or False
+        elif self._files_ahead and self._inflight.counters.saves_started == 0:
+            self._files_ahead.want(blank_file_sizes(files))  # e.g. the optimizer's state appeared since
 
 
 __all__ = ["CheckpointManager"]

@@ -38,6 +38,7 @@ background, like the pinned staging buffers (:class:`FilesAhead`).
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -209,12 +210,25 @@ class Retirement:
             self.recycled_bytes += size
 
 
+TAKE_RATIO = 1.5
+"""A file in the bin is taken for ``nbytes`` only if it is at most this many times as large."""
+
+
 def take(directory: str, path: str, nbytes: int) -> bool:
     """Rename a retired file from the bin ``directory`` to ``path`` (the smallest of at least
-    ``nbytes``, else the largest); False if the bin has none (or others took them first)."""
+    ``nbytes``, else the largest; none over :data:`TAKE_RATIO` times ``nbytes``); False if the bin has
+    none (or others took them first).
+
+    Why no much larger file: a save takes its files one after the other, and with only some of the
+    blank files made ahead in the bin, the model's file took the optimizer's (twice its size; cut to
+    size, the pages made for it were thrown away) and the optimizer's then found none. Retired and
+    blank files are within 1 % of the size they are taken for. Smaller ones are taken (and grown):
+    a compressed file's ``nbytes`` is its raw size.
+    """
     if nbytes < MIN_RECYCLE_BYTES:
         return False
-    entries = [e for e in _bin_entries(directory) if e[0].endswith(_READY)]
+    entries = [e for e in _bin_entries(directory)
+               if e[0].endswith(_READY) and e[1] <= nbytes * TAKE_RATIO]
     fits = sorted((e for e in entries if e[1] >= nbytes), key=lambda e: e[1])
     rest = sorted((e for e in entries if e[1] < nbytes), key=lambda e: -e[1])
     for candidate, _ in fits + rest:
@@ -241,9 +255,11 @@ class FilesAhead:
     retired ones. So the files are made once the state's layout is known (after the staging buffers): one
     per large file of a save, ``sets`` times (default :data:`FILES_AHEAD_SETS`: the first two saves; a
     run keeps that many checkpoints' files from its second save on anyway), each a little larger than its
-    tensors (:meth:`write_file` sets the exact size). On memory file systems the persist process makes
-    them (reserved, mapped with their pages in, at its idle priority) and keeps the mappings, so the first
-    save writes as fast as later ones; elsewhere this thread reserves them (``posix_fallocate``).
+    tensors (:meth:`write_file` sets the exact size); what a layout that changes before the first save
+    (the optimizer's state appearing) is missing is made then (:meth:`want`). On memory file systems
+    the persist process makes them (reserved, mapped with their pages in, at its idle priority) and
+    keeps the mappings, so the first save writes as fast as later ones; elsewhere this thread reserves
+    them (``posix_fallocate``).
 
     Nothing is made while ``busy()`` says staging buffers are being prepared (checked before each
     file): making files beside their page-locking slowed both, and training with them (the default
@@ -261,14 +277,27 @@ class FilesAhead:
         """``premap(fd, nbytes)``: reserves and maps the file elsewhere (the persist process) and returns
         True, or returns False to have it reserved here. ``busy()``: while True, no file is begun."""
         self.directory = bin_dir(store)
-        self.sizes = sorted((n for n in sizes if n >= MIN_RECYCLE_BYTES), reverse=True)
         self.sets = sets
         self.premap = premap
         self.busy = busy
         self.made: list[int] = []
         """Sizes of the files made so far (tests, stats)."""
+        self._lock = threading.Lock()
+        self._sizes = self._large(sizes)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="checkpointd-files-ahead", daemon=True)
+        """Set by :meth:`stop`, a failure, or a bin that held files: nothing more is made."""
+        self._thread: threading.Thread | None = None
+        self._bin_checked = False
+
+    @staticmethod
+    def _large(sizes: Sequence[int]) -> list[int]:
+        return sorted((n for n in sizes if n >= MIN_RECYCLE_BYTES), reverse=True)
+
+    @property
+    def sizes(self) -> list[int]:
+        """One save's blank-file sizes, largest first."""
+        with self._lock:
+            return list(self._sizes)
 
     @staticmethod
     def sets_wanted() -> int:
@@ -278,35 +307,80 @@ class FilesAhead:
             return FILES_AHEAD_SETS
 
     def start(self) -> None:
-        if self.sizes and self.sets > 0:
-            self._thread.start()
+        with self._lock:
+            if self._thread is None and not self._stop.is_set() and self._next() is not None:
+                self._thread = threading.Thread(target=self._run, name="checkpointd-files-ahead", daemon=True)
+                self._thread.start()
+
+    def want(self, sizes: Sequence[int]) -> None:
+        """A save's files now have these sizes: make what is missing for them.
+
+        Why: the staging buffers (and this) are first prepared when the manager first sees the state,
+        which for a resumed or fresh run (``restore_latest()`` before the first step) is before the
+        optimizer has any state; its file, the largest (twice the parameters for Adam), came later
+        and got no blank file. Files already made for a size still wanted count; others stay in the
+        bin (a save takes them where they fit).
+        """
+        with self._lock:
+            self._sizes = self._large(sizes)
+        self.start()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every file is made (or the making stopped)."""
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def stop(self) -> None:
         """Make no more files and wait for the one being made (before the bin is emptied)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self.wait()
+
+    def _next(self) -> int | None:
+        """The size of the next file to make: the first one missing when the wanted sizes are made
+        ``sets`` times over, one save's set after the other (the first save's first); the caller
+        holds the lock."""
+        have = collections.Counter(self.made)
+        for _ in range(self.sets):
+            for nbytes in self._sizes:
+                if have[nbytes] > 0:
+                    have[nbytes] -= 1
+                else:
+                    return nbytes
+        return None
 
     def _run(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
         except (AttributeError, OSError):
             pass
-        if not self._idle() or _bin_entries(self.directory):
-            return
+        while True:
+            if not self._idle():
+                return  # stopped
+            if not self._bin_ready():
+                self._stop.set()
+                return
+            with self._lock:
+                nbytes = self._next()
+                if nbytes is None:
+                    self._thread = None  # all made: a later ``want`` starts a new thread
+                    return
+            if not self._make(nbytes):
+                self._stop.set()  # a full disk, the bin emptied: saves make their own files
+                return
+
+    def _bin_ready(self) -> bool:
+        """Once, before the first file: the bin exists and holds nothing (no previous run's files)."""
+        if self._bin_checked:
+            return True
+        self._bin_checked = True
+        if _bin_entries(self.directory):
+            return False
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError:
-            return
-        for _ in range(self.sets):
-            for nbytes in self.sizes:
-                if not self._idle() or not self._make(nbytes):
-                    return
+            return False
+        return True
 
     def _idle(self) -> bool:
         """Wait while ``busy()``; False once stopped."""
@@ -333,7 +407,8 @@ class FilesAhead:
             logger.debug("checkpointd: no blank file of %d bytes made ahead: %s", nbytes, exc)
             _unlink(checking)
             return False
-        self.made.append(nbytes)
+        with self._lock:
+            self.made.append(nbytes)
         return True
 
 
@@ -343,5 +418,5 @@ def sizes_ahead(tensor_bytes: Sequence[int]) -> list[int]:
     return [n + n // 256 + (4 << 20) for n in tensor_bytes]
 
 
-__all__ = ["BIN_NAME", "FILES_AHEAD_ENV", "FILES_AHEAD_SETS", "FilesAhead", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement",
+__all__ = ["BIN_NAME", "FILES_AHEAD_ENV", "FILES_AHEAD_SETS", "FilesAhead", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "Retirement", "TAKE_RATIO",
            "bin_dir", "bin_for", "contents", "empty", "enabled", "sizes_ahead", "take"]

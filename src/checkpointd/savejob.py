@@ -134,14 +134,20 @@ def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Call
     if (sets == 0 or not recycle.enabled(store) or getattr(codec, "name", None) != "none"
             or os.environ.get(PARALLEL_WRITE_ENV, "1") == "0"):
         return None
+    ahead = recycle.FilesAhead(store, blank_file_sizes(files), sets, premap=persist_process.keep_blank_file, busy=busy)
+    ahead.start()
+    return ahead
+
+
+def blank_file_sizes(files: Sequence[FileContent]) -> list[int]:
+    """The sizes of blank files that one save of ``files`` would take (:func:`checkpointd.recycle.sizes_ahead`)."""
+    from . import recycle
+
     tensor_bytes = []
     for f in files:
         _, tensors = collect_tensors([f.tree])
         tensor_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
-    ahead = recycle.FilesAhead(store, recycle.sizes_ahead(tensor_bytes), sets, premap=persist_process.keep_blank_file,
-                               busy=busy)
-    ahead.start()
-    return ahead
+    return recycle.sizes_ahead(tensor_bytes)
 
 
 def entry_locations(entries: Sequence[Entry], files: Sequence[FileContent]) -> dict[str, EntryLocation]:
