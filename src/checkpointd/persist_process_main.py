@@ -36,7 +36,7 @@ as ``SCM_RIGHTS``). Requests:
 
 Populating a blank file (``keep``) is background work: it goes in ranges of
 :data:`BACKGROUND_RANGE_BYTES` and waits between them while a save writes (a ``write`` request runs or a
-file is attached), so that it never holds up a save (see :meth:`Server.background_populate`).
+file is attached), so that it never holds up a save (see :meth:`Server.populate_in_background`).
 
 The process exits when the socket closes (its parent exited or closed it) or on ``("exit",)``.
 """
@@ -71,6 +71,9 @@ PRUNE_INTERVAL_S = 0.5
 BACKGROUND_RANGE_BYTES = 64 << 20
 """A blank file is populated this much at a time (~20 ms on an H200 host's tmpfs), then the populating
 checks whether a save is writing."""
+BACKGROUND_WAIT_S = 60.0
+"""The longest the populating waits for saves before a range (a file attached by a requester that
+never detaches it must not stop it for good)."""
 
 
 def send_message(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> None:
@@ -424,15 +427,14 @@ class Server:
         tmpfs, one thread at this process's priority) held up a save that came meanwhile: its first
         file was answered only once the advice ended (0.48 s later), and its writes beside the advice
         ran at a third to a fifth of their rate. The first save of a host-budget run then stalled
-        training 0.83-1.32 s against 0.25-0.29 s for the next ones; with the waits 0.41-0.48 s
+        training 0.83-1.32 s against 0.25-0.29 s for the next ones; with the waits 0.41-0.49 s
         (``benchmarks/RESULTS.md``, session 23). Between ranges the memory-map lock is free and
         nothing here competes with the save. A kernel without the advice leaves the faults to the
         first write.
         """
         for start in range(0, entry.nbytes, BACKGROUND_RANGE_BYTES):
             with self._quiet:
-                while self._saving > 0 and not self._leaving:
-                    self._quiet.wait()
+                self._quiet.wait_for(lambda: self._saving <= 0 or self._leaving, timeout=BACKGROUND_WAIT_S)
                 if self._leaving:
                     return
             try:
