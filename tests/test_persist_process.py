@@ -295,6 +295,7 @@ def test_making_a_blank_file_waits_while_a_save_writes(tmp_path: Path) -> None:
     base = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
     saving, blank = base / "saving.bin", base / "blank.bin"
     fds = [os.open(p, os.O_RDWR | os.O_CREAT) for p in (saving, blank)]
+    remote = None
     try:
         remote = process.attach(fds[0], 1 << 20, "mmap", lanes=1)
         done: list[Any] = []
@@ -310,6 +311,8 @@ def test_making_a_blank_file_waits_while_a_save_writes(tmp_path: Path) -> None:
         assert _mapped_bytes(process.proc.pid, blank.name) == 192 << 20  # then made whole
         assert os.fstat(fds[1]).st_size == 192 << 20
     finally:
+        if remote is not None:
+            remote.detach()  # again, harmless; after a failure, later tests' populating must not wait
         for fd in fds:
             os.close(fd)
         for p in (saving, blank):
