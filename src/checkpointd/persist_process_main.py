@@ -233,10 +233,10 @@ class Server:
         self.attached: dict[int, _Attached] = {}
         """Files held for ``put`` requests, by the id of the ``attach`` request."""
         self.stopping = threading.Event()
+        """Set once no request will come: pruning ends and background populating stops waiting."""
         self._saving = 0
         """Writes in progress: ``write`` requests running and files attached."""
         self._quiet = threading.Condition()
-        self._leaving = False
         if self.keep:
             threading.Thread(target=self._prune_often, name="persist-prune", daemon=True).start()
 
@@ -252,11 +252,10 @@ class Server:
             self._serve()
         finally:
             with self._quiet:  # background work stops waiting for saves that will never end
-                self._leaving = True
+                self.stopping.set()
                 self._quiet.notify_all()
             for thread in list(self.writes):  # writes already started finish before the process exits
                 thread.join()
-            self.stopping.set()
 
     def _serve(self) -> None:
         while True:
@@ -434,8 +433,8 @@ class Server:
         """
         for start in range(0, entry.nbytes, BACKGROUND_RANGE_BYTES):
             with self._quiet:
-                self._quiet.wait_for(lambda: self._saving <= 0 or self._leaving, timeout=BACKGROUND_WAIT_S)
-                if self._leaving:
+                self._quiet.wait_for(lambda: self._saving <= 0 or self.stopping.is_set(), timeout=BACKGROUND_WAIT_S)
+                if self.stopping.is_set():
                     return
             try:
                 entry.mapping.madvise(MADV_POPULATE_WRITE, start, min(BACKGROUND_RANGE_BYTES, entry.nbytes - start))
