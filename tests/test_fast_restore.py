@@ -271,3 +271,42 @@ def test_code_in_a_pickle_never_runs_through_either_unpickler(tmp_path, monkeypa
     with pytest.raises(pickle.UnpicklingError):
         fastload.load_pt_in_place(torch.frombuffer(bytearray(bio.getvalue()), dtype=torch.uint8))
     assert ran == []
+
+
+def test_auto_maps_memory_files_only_in_a_process_that_uses_cuda(monkeypatch) -> None:
+    """A CUDA host training on its CPU reads (restored state views the buffer); a GPU-training process maps."""
+    monkeypatch.setenv(fastload.MMAP_ENV, "auto")
+    monkeypatch.setattr(fastload, "_fs_type", lambda path: "tmpfs")
+    big = fastload.MMAP_MIN_BYTES
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not fastload.use_mmap("/x", big)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fastload.use_mmap("/x", big)
+    assert not fastload.use_mmap("/x", big - 1)
+    monkeypatch.setattr(fastload, "_fs_type", lambda path: "ext4")
+    assert not fastload.use_mmap("/x", big)
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    assert fastload.use_mmap("/x", 1)
+
+
+@pytest.mark.parametrize("cuda_in_use", [False, True])
+def test_cpu_state_on_a_cuda_host_restores_through_a_read(tmp_path, monkeypatch, cuda_in_use) -> None:
+    """The whole restore on a (simulated) CUDA host: mapped only once the process has brought up CUDA."""
+    model, opt = _train_state()
+    ref = _snapshot(model, opt)
+    with CheckpointManager(tmp_path, {"model": model, "optim": opt}) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        _scramble(model, opt)
+        monkeypatch.setenv(fastload.MMAP_ENV, "auto")
+        monkeypatch.setattr(fastload, "MMAP_MIN_BYTES", 1)
+        monkeypatch.setattr(fastload, "_fs_type", lambda path: "tmpfs")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda_in_use)
+        maps: list[int] = []
+        real_map = fastload._map_file
+        monkeypatch.setattr(fastload, "_map_file", lambda fd, size: maps.append(size) or real_map(fd, size))
+        mgr.restore(1)
+    assert _same(model, opt, ref)
+    assert bool(maps) == cuda_in_use

@@ -86,7 +86,7 @@ def _read_task(fd: int, view: memoryview, start: int, stop: int) -> int:
 
 MMAP_ENV = "CHECKPOINTD_RESTORE_MMAP"
 """``auto`` (default): map files on tmpfs/ramfs of at least ``MMAP_MIN_BYTES`` instead of reading them
-when CUDA is available; ``1``: map every local file; ``0``: always read."""
+when this process uses CUDA (:func:`process_uses_cuda`); ``1``: map every local file; ``0``: always read."""
 MMAP_MIN_BYTES = 64 << 20
 _MEMORY_FS = ("tmpfs", "ramfs")
 
@@ -124,8 +124,15 @@ def use_mmap(path: str, size: int) -> bool:
         return True
     # auto: only where the values go on to a GPU. On CPU-only runs restored optimizer state views the
     # buffer; a mapping would keep the file's pages alive (after retention deletes it) beside the
-    # private copies that training writes.
-    return size >= MMAP_MIN_BYTES and torch.cuda.is_available() and _fs_type(path) in _MEMORY_FS
+    # private copies that training writes. A process whose state lives on a GPU has brought up CUDA
+    # by the time it restores (its tensors were made there); one that trains on the CPU of a CUDA host
+    # has not, and reads (deciding by ``is_available()`` mapped there too).
+    return size >= MMAP_MIN_BYTES and process_uses_cuda() and _fs_type(path) in _MEMORY_FS
+
+
+def process_uses_cuda() -> bool:
+    """Whether this process has brought up CUDA (made a tensor there), not only whether it could."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 MAP_CRC_BYTES = 32 << 20
