@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -319,6 +320,38 @@ def test_making_a_blank_file_waits_while_a_save_writes(tmp_path: Path) -> None:
             p.unlink(missing_ok=True)
         if base != tmp_path:
             base.rmdir()
+
+
+
+def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requester that attached a file and never detached it cannot stop the populating for good: it
+    waits at most ``BACKGROUND_WAIT_S`` before each range, then populates the range anyway. (The
+    server's method, run in this process with the bound shortened.)"""
+    from checkpointd import persist_process_main as main
+
+    monkeypatch.setattr(main, "BACKGROUND_RANGE_BYTES", 1 << 20)
+    monkeypatch.setattr(main, "BACKGROUND_WAIT_S", 0.2)
+    ours, theirs = socket.socketpair()
+    server = main.Server(ours, threads=1, slice_bytes=1 << 20, keep=False)
+    path = tmp_path / "blank-never-detached.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 4 << 20)
+        entry = main._KeptFile(fd, 4 << 20)
+        server._saving = 1  # an attached file whose detach never comes
+        started = time.monotonic()
+        worker = threading.Thread(target=server.populate_in_background, args=(entry,), daemon=True)
+        worker.start()
+        worker.join(10)
+        took = time.monotonic() - started
+        assert not worker.is_alive()  # it ended, though the "save" never did
+        assert took >= 4 * 0.2 * 0.9  # ... having waited the bound before each of the four ranges
+        assert _mapped_bytes(os.getpid(), path.name) == 4 << 20  # and populated every range
+        entry.close()
+    finally:
+        os.close(fd)
+        ours.close()
+        theirs.close()
 
 
 def _mappings(pid: int, path: Path) -> int:
