@@ -322,7 +322,6 @@ def test_making_a_blank_file_waits_while_a_save_writes(tmp_path: Path) -> None:
             base.rmdir()
 
 
-
 def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A requester that attached a file and never detached it cannot stop the populating for good: it
     waits at most ``BACKGROUND_WAIT_S`` before each range, then populates the range anyway. (The
@@ -335,6 +334,7 @@ def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, m
     server = main.Server(ours, threads=1, slice_bytes=1 << 20, keep=False)
     path = tmp_path / "blank-never-detached.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    entry = worker = None
     try:
         os.ftruncate(fd, 4 << 20)
         entry = main._KeptFile(fd, 4 << 20)
@@ -347,9 +347,11 @@ def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, m
         assert not worker.is_alive()  # it ended, though the "save" never did
         assert took >= 4 * 0.2 * 0.9  # ... having waited the bound before each of the four ranges
         assert _mapped_bytes(os.getpid(), path.name) == 4 << 20  # and populated every range
-        entry.close()
     finally:
+        if entry is not None and (worker is None or not worker.is_alive()):
+            entry.close()
         os.close(fd)
+        server.pool.shutdown()
         ours.close()
         theirs.close()
 
