@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -351,6 +352,40 @@ def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, m
         if entry is not None and (worker is None or not worker.is_alive()):
             entry.close()
         os.close(fd)
+        server.pool.shutdown()
+        ours.close()
+        theirs.close()
+
+
+
+def test_a_requester_killed_with_answers_unread_ends_the_process_quietly() -> None:
+    """A training process SIGKILLed (a preemption) with an answer it had not read resets the connection;
+    the process takes that as the end of its requests, as a closed one, instead of dying with a
+    traceback in the job's log (seen after kills in ``benchmarks/torture.py --x-mib 24``)."""
+    from checkpointd import persist_process_main as main
+
+    ours, theirs = socket.socketpair()
+    server = main.Server(ours, threads=1, slice_bytes=1 << 20, keep=False)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    try:
+        main.send_message(theirs, ("exclusive", 7, 0, 0))  # answered: ("ok", 7, False)
+        deadline = time.monotonic() + 10
+        while not select.select([theirs], [], [], 0)[0] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the answer is waiting, unread
+        theirs.close()
+        worker.join(10)
+        assert not worker.is_alive() and errors == []
+        assert server.stopping.is_set()
+    finally:
         server.pool.shutdown()
         ours.close()
         theirs.close()

@@ -87,8 +87,22 @@ def send_message(sock: socket.socket, message: tuple, fds: list[int] | None = No
 
 
 def receive_message(sock: socket.socket) -> tuple[tuple | None, list[int]]:
-    """The next message and the descriptors sent with it; ``(None, [])`` at end of stream."""
+    """The next message and the descriptors sent with it; ``(None, [])`` at end of stream.
+
+    A peer that died with answers it had not read yet (a training process killed by a preemption's
+    SIGKILL) resets the connection instead of closing it: that is an end of stream too, not an error
+    (it printed a traceback from this process into the job's log after every such kill).
+    """
     fds: list[int] = []
+    try:
+        return _receive(sock, fds)
+    except ConnectionResetError:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+
+
+def _receive(sock: socket.socket, fds: list[int]) -> tuple[tuple | None, list[int]]:
     head = b""
     while len(head) < HEADER.size:
         data, anc, _flags, _addr = sock.recvmsg(HEADER.size - len(head), socket.CMSG_SPACE(MAX_FDS * 4))
