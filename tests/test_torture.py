@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +47,25 @@ def test_sigkill_during_saves_local(ctx, tmp_path, compression):
     # the trials made progress and killed mid-run: many commits, and the chain kept advancing
     assert results[-1].latest is not None and results[-1].latest >= N_LOCAL // 4
     assert len(tw.logged_commits(cfg.log_path)) >= N_LOCAL // 4
+
+
+def test_sigkill_during_saves_of_large_files_on_tmpfs(ctx, tmp_path):
+    """Files large enough for recycling, blank files made ahead and the persist process's kept mappings
+    (a 24 MiB tensor, uncompressed), on a memory file system where there is one: the paths the small
+    state above never takes. The kills land in saves too (a longer delay: the child's first save waits
+    for its persist process)."""
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    try:
+        cfg = tw.TrialConfig(root=str(base / "ckpt"), log_path=str(tmp_path / "commits.log"), compression=None,
+                             x_numel=24 << 18)
+        results = _run(ctx, cfg, 12, seed=4, max_delay_secs=1.5)
+        assert results[-1].latest is not None and len(tw.logged_commits(cfg.log_path)) >= 12
+        # killed while the bin held retired or blank files: the large-file paths ran
+        assert sum(1 for r in results if r.bin_files) >= 3, [r.bin_files for r in results]
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def test_sigkill_during_saves_s3(ctx, tmp_path, s3_root, s3_storage_options):

@@ -34,12 +34,16 @@ import torch
 from checkpointd import CheckpointManager
 from checkpointd.storage import Store
 from checkpointd.verify import verify_step
-from checkpointd import layout
+from checkpointd import layout, recycle
 
 WIDTH = 64
+X_NUMEL = 4096
+"""Elements of the plain tensor ``x``; a trial may ask for millions (:attr:`TrialConfig.x_numel`), so its
+file is large enough for the paths that only large files take: recycling retired files, blank files
+made ahead, the persist process's kept mappings (``checkpointd.recycle.MIN_RECYCLE_BYTES``)."""
 
 
-def build_state() -> dict[str, Any]:
+def build_state(x_numel: int = X_NUMEL) -> dict[str, Any]:
     """The registered objects (values are overwritten by :func:`assign`)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 8))
@@ -47,17 +51,17 @@ def build_state() -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()  # creates the momentum buffers
-    return {"model": model, "optimizer": opt, "x": torch.zeros(4096), "n": torch.zeros(16, dtype=torch.int64),
+    return {"model": model, "optimizer": opt, "x": torch.zeros(x_numel), "n": torch.zeros(16, dtype=torch.int64),
             "meta": {"step": -1, "tag": ""}}
 
 
-def expected_state(step: int) -> dict[str, Any]:
+def expected_state(step: int, x_numel: int = X_NUMEL) -> dict[str, Any]:
     """Every value of the state at ``step``, from the step number alone."""
     g = torch.Generator().manual_seed(10_000 + step)
     ref = build_state()
     out: dict[str, Any] = {"params": [torch.randn(p.shape, generator=g) for p in ref["model"].parameters()]}
     out["momentum"] = [torch.randn(p.shape, generator=g) for p in ref["model"].parameters()]
-    out["x"] = torch.randn(4096, generator=g)
+    out["x"] = torch.randn(x_numel, generator=g)
     out["n"] = torch.randint(-2**40, 2**40, (16,), generator=g)
     out["meta"] = {"step": step, "tag": f"s{step}"}
     return out
@@ -65,7 +69,7 @@ def expected_state(step: int) -> dict[str, Any]:
 
 def assign(state: dict[str, Any], step: int) -> None:
     """Set the registered objects, in place, to :func:`expected_state` of ``step``."""
-    exp = expected_state(step)
+    exp = expected_state(step, state["x"].numel())
     with torch.no_grad():
         for p, v, m in zip(state["model"].parameters(), exp["params"], exp["momentum"]):
             p.copy_(v)
@@ -78,7 +82,7 @@ def assign(state: dict[str, Any], step: int) -> None:
 
 def mismatches(state: dict[str, Any], step: int) -> list[str]:
     """Names of the values of ``state`` that are not bit-identical to ``expected_state(step)``."""
-    exp = expected_state(step)
+    exp = expected_state(step, state["x"].numel())
     bad = []
     for i, (p, v, m) in enumerate(zip(state["model"].parameters(), exp["params"], exp["momentum"])):
         if not torch.equal(p.detach(), v):
@@ -100,11 +104,12 @@ class TrialConfig:
     storage_options: dict[str, Any] | None = None
     keep_last: int = 2
     compression: str | None = "zstd"
+    x_numel: int = X_NUMEL
 
 
 def child_main(cfg: TrialConfig, ready: Any) -> None:
     """The training process (runs until killed)."""
-    state = build_state()
+    state = build_state(cfg.x_numel)
     fd = os.open(cfg.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     mgr = CheckpointManager(cfg.root, state, storage_options=cfg.storage_options, every_n_steps=1,
                             keep_last=cfg.keep_last, compression=cfg.compression, max_pending=1)
@@ -132,6 +137,8 @@ class TrialResult:
     partial: list[int]
     lost: list[int]
     wrong: list[str]
+    bin_files: int = 0
+    """Files in the recycle bin when the child was killed (retired ones, blank ones made ahead)."""
 
     @property
     def ok(self) -> bool:
@@ -174,7 +181,8 @@ def logged_commits(log_path: str) -> set[int]:
 
 def check_root(cfg: TrialConfig, delay: float = 0.0) -> TrialResult:
     store = Store(cfg.root, cfg.storage_options)
-    live = build_state()
+    bin_files = recycle.contents(store)[0] if store.is_local else 0  # before our manager's close() empties it
+    live = build_state(cfg.x_numel)
     with CheckpointManager(cfg.root, live, storage_options=cfg.storage_options, keep_last=cfg.keep_last) as mgr:
         committed = mgr.steps()
         partial = [s for s in committed if not verify_step(store, layout.step_dir_name(s)).ok]
@@ -193,4 +201,5 @@ def check_root(cfg: TrialConfig, delay: float = 0.0) -> TrialResult:
                 wrong.append(f"step {latest} restored with wrong values: {bad}")
     lost = sorted(s for s in logged_commits(cfg.log_path)
                   if s not in committed and sum(1 for c in committed if c > s) < cfg.keep_last)
-    return TrialResult(delay_secs=delay, latest=latest, committed=committed, partial=partial, lost=lost, wrong=wrong)
+    return TrialResult(delay_secs=delay, latest=latest, committed=committed, partial=partial, lost=lost, wrong=wrong,
+                       bin_files=bin_files)
