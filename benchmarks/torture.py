@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             totals["lost"] += len(result.lost)
             totals["wrong"] += len(result.wrong)
             totals["empty_root"] += result.latest is None
+            totals["killed_with_bin_files"] += bool(result.bin_files)  # recycling / files ahead were in play
             if not result.ok:
                 failures.append(f"trial {i}: {result}")
                 print(f"FAIL trial {i}: {result}", flush=True)
