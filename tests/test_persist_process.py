@@ -91,11 +91,15 @@ def test_a_killed_process_loses_nothing(tmp_path: Path, caplog: pytest.LogCaptur
 
 
 
-def test_a_process_killed_mid_save_loses_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_process_killed_mid_save_loses_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL the persist process while a save's files are being written (large files: recycling and
     blank files made ahead are in play): the bytes it did not confirm are written here, every save
     commits, and the newest restores bit-exact."""
     caplog.set_level("WARNING", logger="checkpointd")
+    # a process killed before its first write is taken for one that cannot run here and never started
+    # again; only processes that wrote are killed below, and later tests get a working one regardless
+    monkeypatch.setattr(persist_process, "_start_failed", False)
     big = {"a": torch.zeros(40 << 18), "b": torch.zeros(24 << 18), "meta": {"s": -1}}
 
     def assign(step: int) -> None:
@@ -113,7 +117,7 @@ def test_a_process_killed_mid_save_loses_nothing(tmp_path: Path, caplog: pytest.
                 assign(step)
                 mgr.save(step)
                 process = persist_process._client
-                if step in (1, 4) and process is not None and process.alive:
+                if step in (1, 4) and process is not None and process.alive and process.writes_done:
                     deadline = time.monotonic() + 10
                     while not process._pending and time.monotonic() < deadline:
                         time.sleep(0.0005)  # until a write request is sent and not yet answered
@@ -134,6 +138,7 @@ def test_a_process_killed_mid_save_loses_nothing(tmp_path: Path, caplog: pytest.
         assert kills >= 1 and "persist process" in caplog.text
         assert "writing those bytes from this process" in caplog.text  # a write it had taken was redone here
     finally:
+        persist_process.shutdown()
         if base != tmp_path:
             shutil.rmtree(base, ignore_errors=True)
 
