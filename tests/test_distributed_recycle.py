@@ -88,6 +88,55 @@ def test_sharded_host_budget_streams_each_rank_through_its_persist_process(tmp_p
         assert writes >= 4 * 10  # four saves of ~80 MB a rank through 2 MiB chunks
 
 
+def first_saves_into_files_made_ahead(rank: int, world: int, root: str) -> Any:
+    import time
+
+    import torch.distributed as dist
+
+    os.environ["CHECKPOINTD_FILES_AHEAD"] = "2"
+    model, opt = fsdp2_with_adamw(_Net, seed=0)
+    train_same_batches(model, opt, 1, seed=0, features=WIDTH)  # the optimizer's state exists: one file size
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression=None,
+                           keep_last=1, every_n_steps=1, dist_timeout_secs=30) as mgr:
+        assert mgr.restore_latest() is None  # the staging buffers, then this rank's blank files
+        deadline = time.monotonic() + 60
+        while len(mgr._files_ahead.made) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        made = list(mgr._files_ahead.made)
+        dist.barrier()
+        blank = _inodes(root) if rank == 0 else None
+        dist.barrier()
+        for step in range(2):
+            train_same_batches(model, opt, 1, seed=step + 1, features=WIDTH)
+            mgr.save(step)
+            mgr.wait()
+            dist.barrier()
+        written = _inodes(root) if rank == 0 else None
+        dist.barrier()
+        want = gathered_state(model, opt)
+    fresh, fresh_opt = fsdp2_with_adamw(_Net, seed=1)
+    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        assert mgr.restore_latest() == 1
+    assert_same_state(gathered_state(fresh, fresh_opt), want)
+    return made, blank, written
+
+
+def test_every_rank_of_a_host_writes_its_first_saves_into_files_made_ahead(tmp_path: Path) -> None:
+    """Two ranks on one host share the bin: each makes blank files for its first two saves (before
+    session 25 only the first rank to start did, and the other's first saves wrote new files), and
+    the two saves of both ranks take all four."""
+    results = run_distributed(first_saves_into_files_made_ahead, 2, str(tmp_path), deadline_secs=120)
+    (made0, blank, written), (made1, _, _) = results
+    assert len(made0) == 2 and len(made1) == 2  # each rank: one shard file a save, two saves
+    blank_inodes = {v for k, v in blank.items() if k.startswith(recycle.BIN_NAME)}
+    assert len(blank_inodes) == 4 and not any(k.startswith("step-") for k in blank)
+    saved = {v for k, v in written.items() if k.startswith("step-")}
+    assert len(saved) == 2  # keep_last=1: step 1's two shard files (step 0's retired into the bin)
+    assert saved <= blank_inodes  # both ranks' second saves wrote over blank files
+    first = {v for k, v in written.items() if k.startswith(recycle.BIN_NAME)}
+    assert first == blank_inodes - saved  # step 0's, retired, are the other two blank files
+
+
 def _check_recycling(seen: list[dict[str, int]], left: list[str]) -> None:
     by_step = [{v for k, v in s.items() if k.startswith("step-")} for s in seen]
     binned = [{v for k, v in s.items() if k.startswith(recycle.BIN_NAME)} for s in seen]

@@ -177,6 +177,46 @@ def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, mon
     assert again.made == []
 
 
+_MAKE_AHEAD_AND_WAIT = """
+import sys
+from checkpointd import recycle
+from checkpointd.storage import Store
+ahead = recycle.FilesAhead(Store(sys.argv[1]), [int(sys.argv[2])], sets=1)
+ahead.start()
+ahead.wait(60)
+print(len(ahead.made), flush=True)
+sys.stdin.read()  # alive until the parent closes our stdin
+"""
+
+
+def test_each_rank_of_a_host_makes_its_own_files_ahead(tmp_path):
+    """Ranks of one host share the bin: blank files another running process (a rank) made are not a
+    previous run's, so this process makes its own set too; once that process is gone, its files are
+    leftovers and a new run makes none (its saves take them), nor does a second manager of this process."""
+    nbytes = 20 << 20
+    other = subprocess.Popen([sys.executable, "-c", _MAKE_AHEAD_AND_WAIT, str(tmp_path), str(nbytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "1"  # the other rank made its file and runs on
+        mine = recycle.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)
+        mine.start()
+        mine.wait(30)
+        assert mine.made == [nbytes]
+        assert len([n for n in os.listdir(tmp_path / BIN) if n.endswith(".bin")]) == 2
+    finally:
+        other.stdin.close()
+        other.wait(30)
+    # A new process now: this one's file is another running process's, the gone one's a leftover.
+    later = subprocess.run([sys.executable, "-c", _MAKE_AHEAD_AND_WAIT, str(tmp_path), str(nbytes)],
+                           input="", capture_output=True, text=True, timeout=60)
+    assert later.stdout.strip() == "0", later.stderr
+    assert len(os.listdir(tmp_path / BIN)) == 2
+    again = recycle.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)  # this process's own file: a leftover
+    again.start()
+    again.wait(30)
+    assert again.made == []
+
+
 def test_files_ahead_wait_while_the_staging_buffers_are_prepared(tmp_path):
     """No blank file is begun while ``busy()`` (the staging buffers being page-locked); stopped while
     waiting, none is made at all."""

@@ -266,9 +266,12 @@ class FilesAhead:
     path's steps before its first save: 352 ms more in all against 115 without files ahead, the
     registration 1.29 s against 0.79; H200, ``benchmarks/RESULTS.md``, session 23). Nothing is made
     where the bin already holds files (a previous run's, taken first) or recycling does not apply.
-    Ranks of one host share the bin, so there the first rank to start makes its files and the others
-    find the bin in use: their first save takes those files if they fit, else makes new ones. On any
-    failure (a full disk) the file being made is removed and no more are made.
+    Ranks of one host share the bin, and each makes its own files: a blank file is named after the
+    process making it (:func:`_ahead_name`), and files that another running process is making ahead are
+    not a previous run's (:meth:`_bin_ready`). Until session 25 the first rank to start made its files
+    and the others found the bin in use, so their first saves wrote new files. A save takes any file
+    that fits, whichever rank made it. On any failure (a full disk) the file being made is removed and
+    no more are made.
     Retention's next retirement deletes what no save took, ``close()`` empties the bin.
     """
 
@@ -370,11 +373,14 @@ class FilesAhead:
                 return
 
     def _bin_ready(self) -> bool:
-        """Once, before the first file: the bin exists and holds nothing (no previous run's files)."""
+        """Once, before the first file: the bin exists and holds no previous run's files (retired ones,
+        or blank ones made by a process that is gone or by this one); blank files that other running
+        processes (the other ranks of this host) are making do not count."""
         if self._bin_checked:
             return True
         self._bin_checked = True
-        if _bin_entries(self.directory):
+        if any(not _made_by_another_running_process(os.path.basename(path))
+               for path, _ in _bin_entries(self.directory)):
             return False
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -390,7 +396,7 @@ class FilesAhead:
         return not self._stop.is_set()
 
     def _make(self, nbytes: int) -> bool:
-        name = uuid.uuid4().hex
+        name = _ahead_name()
         checking = os.path.join(self.directory, name + _CHECKING)  # not taken before it is whole
         try:
             fd = os.open(checking, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -410,6 +416,43 @@ class FilesAhead:
         with self._lock:
             self.made.append(nbytes)
         return True
+
+
+_AHEAD_PREFIX = "ahead-"
+
+
+def _ahead_name() -> str:
+    """A blank file's name in the bin (before its suffix): ``ahead-<pid>-<uuid>``, the pid of the process
+    making it, so that other ranks can tell it from a previous run's leftovers."""
+    return f"{_AHEAD_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _made_by_another_running_process(name: str) -> bool:
+    """True if ``name`` is a blank file's (:func:`_ahead_name`) made by a live process other than this one.
+
+    Why not by this one: a process starts its files ahead once per manager, so blank files of its own
+    pid are a previous manager's on the same root (a leftover, as a retired file is). A live process of
+    that pid is another rank of this host in all but one case, a pid reused since a crashed run made the
+    file: then this rank makes its files beside the leftovers, and the first retirement deletes what no
+    save took.
+    """
+    if not name.startswith(_AHEAD_PREFIX):
+        return False
+    try:
+        pid = int(name[len(_AHEAD_PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    except OSError:
+        return False
+    return True
 
 
 def sizes_ahead(tensor_bytes: Sequence[int]) -> list[int]:
