@@ -47,8 +47,8 @@ def _persist_mappings(root) -> list[str]:
         return [line.split(None, 5)[5].strip() for line in f if str(root) in line]
 
 
-def _state(seed: float = 0.0):
-    model = torch.nn.Linear(2048, 2048, bias=False)  # 16 MiB of weights: the model file is recycled
+def _state(seed: float = 0.0, rows: int = 2048):
+    model = torch.nn.Linear(2048, rows, bias=False)  # 16 MiB of weights: the model file is recycled
     with torch.no_grad():
         model.weight.fill_(seed)
     return model
@@ -73,8 +73,9 @@ def _digest(path) -> str:
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode, monkeypatch):
     monkeypatch.setenv(recycle.FILES_AHEAD_ENV, "0")  # the bin holds retired files only (files made ahead: below)
-    model = _state()
+    model = _state(rows=2560)  # 20 MiB: compressed with zstd still above recycle.MIN_RECYCLE_BYTES
     seen_inodes: list[set[int]] = []
+    recycled: list[tuple[int, int]] = []
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1,
                            compression=compression) as mgr:
         for step in range(4):
@@ -85,6 +86,9 @@ def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compress
             files = _big_files(tmp_path)
             steps = {k for k in files if k.startswith("step-")}
             seen_inodes.append({files[k].st_ino for k in steps})
+            last = mgr.stats()["last_save"]
+            recycled.append((last["files_recycled"], len(steps)))
+            assert last["files"] >= len(steps)
             binned = [k for k in files if k.startswith(BIN)]
             # after a commit, the retired step's large files wait in the bin (step 0 retired nothing)
             assert len(binned) == (0 if step == 0 else len(steps)), files
@@ -95,12 +99,13 @@ def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compress
                     str(tmp_path / k) for k in steps}
     # step 2 was written over step 0's files, step 3 over step 1's (with mappings kept too)
     assert seen_inodes[2] == seen_inodes[0] and seen_inodes[3] == seen_inodes[1]
+    assert [r for r, _ in recycled] == [0, 0, recycled[2][1], recycled[3][1]] and recycled[2][1] >= 1  # stats() says so
     assert sorted(os.listdir(tmp_path)) == ["step-000000003"]  # close() emptied and removed the bin
     deadline = time.monotonic() + 10
     while any("(deleted)" in p for p in _persist_mappings(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in _persist_mappings(tmp_path) if "(deleted)" in p]  # the bin's pages are freed
-    fresh = _state(1.0)
+    fresh = _state(1.0, rows=2560)
     with CheckpointManager(tmp_path, {"model": fresh}) as mgr:
         assert mgr.restore_latest() == 3
     assert torch.equal(fresh.weight, model.weight)
@@ -136,6 +141,7 @@ def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
             inodes.append({files[k].st_ino for k in files if k.startswith(f"step-{step:09d}")})
             assert torch.equal(load(tmp_path, step=step)["model"]["weight"], model.weight)
             assert os.path.getsize(_step_file(tmp_path, step)) < max(made)  # the exact size was set
+            assert mgr.stats()["last_save"]["files_recycled"] == 1  # a blank file (saves 0, 1), a retired one (2)
     assert inodes[0] | inodes[1] == set(blank)  # saves 0 and 1 took the blank files
     assert inodes[2] == inodes[0]  # save 2 took step 0's, retired
     assert sorted(os.listdir(tmp_path)) == ["step-000000002"]
@@ -215,6 +221,48 @@ def test_each_rank_of_a_host_makes_its_own_files_ahead(tmp_path):
     again.start()
     again.wait(30)
     assert again.made == []
+
+
+@pytest.mark.parametrize("fstype", ["tmpfs", "ext4"])
+def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, monkeypatch, fstype):
+    """Reserved is not enough on tmpfs: the pages are cleared at their first write (the first save's),
+    so where no persist process faults them in, this thread writes zeros over the file; on a disk it
+    does not (the zeros would be written to the disk too). Stopped midway, no file is left."""
+    from checkpointd import fsinfo
+
+    monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: fstype)
+    writes: list[int] = []
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, offset):
+        writes.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(recycle.os, "pwrite", pwrite)
+    nbytes = 20 << 20
+    ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=1)
+    ahead.start()
+    ahead.wait(30)
+    assert ahead.made == [nbytes]
+    assert sum(writes) == (nbytes if fstype == "tmpfs" else 0)
+    [name] = os.listdir(tmp_path / "a" / BIN)
+    assert os.path.getsize(tmp_path / "a" / BIN / name) == nbytes
+    if fstype == "tmpfs":
+        assert max(writes) == recycle.ZERO_WRITE_BYTES
+        busy = threading.Event()
+        stopper = recycle.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=1, busy=busy.is_set)
+
+        def pwrite_then_busy(fd, data, offset):
+            busy.set()  # the staging buffers are being prepared: the zeros wait, then stop() ends them
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(recycle.os, "pwrite", pwrite_then_busy)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while not busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopper.stop()
+        assert stopper.made == [] and os.listdir(tmp_path / "b" / BIN) == []
 
 
 def test_files_ahead_wait_while_the_staging_buffers_are_prepared(tmp_path):
@@ -423,15 +471,28 @@ def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
     assert not (tmp_path / BIN).exists()
 
 
+def test_a_retired_file_a_little_larger_than_the_next_saves_is_recycled(tmp_path):
+    """Compressed files of two saves differ by a little: the older one, slightly larger, is kept."""
+    mib = 1 << 20
+    store = Store(str(tmp_path))
+    _bin_file(tmp_path / "step-000000001", "f.pt.zst", 20 * mib + 20 * 1024)
+    _bin_file(tmp_path / "step-000000002", "f.pt.zst", 20 * mib)
+    retirement = recycle.Retirement(store, "step-000000002")
+    retirement.retire("step-000000001")
+    assert [n for _, n in recycle._bin_entries(str(tmp_path / BIN))] == [20 * mib + 20 * 1024]
+
+
 def test_streamed_files_take_a_retired_file_only_when_large(tmp_path):
     mib = 1 << 20
     store = Store(str(tmp_path))
     _bin_file(tmp_path / BIN, "a.bin", 40 * mib)
     with store.open_write("step-000000001/small.pt", expected_bytes=1024) as f:
         f.write(b"x" * 1024)
+        assert not f.recycled
     assert os.path.exists(tmp_path / BIN / "a.bin")  # a small file never takes one
     with store.open_write("step-000000001/big.pt.zst", expected_bytes=30 * mib) as f:
         f.write(b"y" * (3 * mib))  # compressed: fewer bytes than the retired file held
+        assert f.recycled  # what stats()["last_save"]["files_recycled"] counts
     assert not os.path.exists(tmp_path / BIN / "a.bin")
     with open(tmp_path / "step-000000001" / "big.pt.zst", "rb") as f:
         assert f.read() == b"y" * (3 * mib)  # cut to what was written

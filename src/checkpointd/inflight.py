@@ -116,5 +116,6 @@ class InFlight:
         last = self.last_committed_job
         if last is not None:
             out["last_save"] = {"step": last.step, **last.timings, "bytes_written": last.written_bytes,
-                                "raw_bytes": last.raw_bytes}
+                                "raw_bytes": last.raw_bytes, "files": len(last.files),
+                                "files_recycled": last.files_recycled}
         return out

@@ -456,7 +456,11 @@ class CheckpointManager:
     # stats, lifecycle
     # ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Per-phase seconds of the last committed save, totals, bytes and compression ratio."""
+        """Per-phase seconds of the last committed save, totals, bytes and compression ratio.
+
+        ``last_save`` also counts the save's ``files`` and how many of them were written over files
+        from the recycling bin (``files_recycled``: retired or made ahead; only files of 16 MiB or
+        more are recycled), which is what decides how fast a save writes to tmpfs."""
         out = self._inflight.stats()
         out.update({
             "last_committed_step": self._last_committed,

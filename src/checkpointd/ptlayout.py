@@ -448,6 +448,8 @@ class WriteResult:
     nbytes: int
     crc: int
     raw_nbytes: int
+    recycled: bool = False
+    """:func:`write_file` wrote over a file taken from the recycling bin (retired, or blank made ahead)."""
 
 
 def _put_task(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
@@ -745,11 +747,13 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
     ``path`` and is written over (:func:`write_image` sets its size first).
     """
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)  # RDWR: mmap mode
-    if recycle_from is None or not recycle.take(recycle_from, path, img.end):
+    recycled = recycle_from is not None and recycle.take(recycle_from, path, img.end)
+    if not recycled:
         flags |= os.O_TRUNC
     fd = os.open(path, flags, 0o644)
     try:
         result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
+        result.recycled = recycled
         if durable:
             os.fsync(fd)
     except BaseException:

@@ -102,6 +102,11 @@ class _DurableLocalFile(_WriterBase):
         self._pos = 0
 
     @property
+    def recycled(self) -> bool:
+        """Written over a file taken from the recycling bin (``stats()["last_save"]["files_recycled"]``)."""
+        return self._recycled
+
+    @property
     def closed(self) -> bool:
         return self._f.closed
 

@@ -43,6 +43,10 @@ class FileJob:
     """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
     image: Any = None
     """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
+    recycled: bool = False
+    """Set by the write: the file was written over one taken from the recycling bin (retired, or blank
+    made ahead), not created. Why kept: whether a save found its files is what decides its write speed
+    on tmpfs (``stats()["last_save"]["files_recycled"]``)."""
 
 
 @dataclass
@@ -74,6 +78,8 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
     raw_bytes: int = 0
+    files_recycled: int = 0
+    """How many of the files were written over files from the recycling bin (:attr:`FileJob.recycled`)."""
 
 
 class BackgroundWriter(SerialWorker):
@@ -181,6 +187,7 @@ class BackgroundWriter(SerialWorker):
         job.manifest.files = entries
         job.written_bytes = sum(e.size for e in entries)
         job.raw_bytes = sum(e.raw_size or 0 for e in entries)
+        job.files_recycled = sum(1 for f in job.files if f.recycled)
         return error
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -348,6 +355,7 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
     except BaseException:
         _discard(raw)
         raise
+    fjob.recycled = bool(getattr(raw, "recycled", False))
     return FileEntry(path=fjob.rel_path, size=checked.nbytes, checksum=checked.checksum, codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=counting.nbytes)
 
@@ -380,6 +388,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
                                  fast=fast, recycle_from=recycle.bin_for(store))
+    fjob.recycled = result.recycled
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
 
