@@ -306,6 +306,34 @@ def test_the_manager_makes_files_ahead_once_its_staging_buffers_are_ready(tmp_pa
         assert not mgr._snap.preparing()
 
 
+def test_files_ahead_wait_while_a_save_writes(tmp_path, monkeypatch):
+    """Blank files are not made while a save writes (both would share the same memory): none is made
+    while the first save is held in its write; both sets are made once it is done."""
+    from checkpointd import writer as writer_mod
+
+    gate, entered = threading.Event(), threading.Event()
+    real = writer_mod.BackgroundWriter.write_files
+
+    def held(self, job):
+        entered.set()
+        gate.wait(30)
+        return real(self, job)
+
+    monkeypatch.setattr(writer_mod.BackgroundWriter, "write_files", held)
+    with CheckpointManager(tmp_path, {"model": _state()}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        mgr.maybe_save(0)
+        try:
+            assert entered.wait(30)
+            assert mgr._files_ahead_wait()
+            time.sleep(0.5)
+            assert mgr._files_ahead.made == []
+        finally:
+            gate.set()
+        mgr.wait()
+        assert len(_wait_for_files_ahead(mgr, 2)) == 2
+        assert not mgr._files_ahead_wait()
+
+
 def test_files_ahead_follow_the_optimizer_state_that_appears_after_the_first_preparation(tmp_path):
     """A run that calls ``restore_latest()`` before its first step prepares the staging buffers (and
     the blank files) before the optimizer has state; once it has, the optimizer's file (the largest)

@@ -44,6 +44,12 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def writing(self) -> bool:
+        """True while a started save has not finished (safe from any thread; what blank files made
+        ahead wait for, so that they do not compete with a save's writes)."""
+        with self._lock:
+            return any(not job.future.done() for job in self._jobs)
+
     def steps(self) -> set[int]:
         """Steps started and not collected (a copy: safe from any thread)."""
         with self._lock:

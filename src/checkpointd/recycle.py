@@ -269,10 +269,11 @@ class FilesAhead:
     them (``posix_fallocate``), and on a memory file system where the persist process keeps no mappings
     (several ranks on the host) also writes them with zeros (:meth:`_write_zeros`).
 
-    Nothing is made while ``busy()`` says staging buffers are being prepared (checked before each
-    file): making files beside their page-locking slowed both, and training with them (the default
-    path's steps before its first save: 352 ms more in all against 115 without files ahead, the
-    registration 1.29 s against 0.79; H200, ``benchmarks/RESULTS.md``, session 23). Nothing is made
+    Nothing is made while ``busy()`` says staging buffers are being prepared or a save writes (checked
+    before each file, and between the zeros written over one): making files beside their page-locking
+    slowed both, and training with them (the default path's steps before its first save: 352 ms more
+    in all against 115 without files ahead, the registration 1.29 s against 0.79; H200,
+    ``benchmarks/RESULTS.md``, session 23), and a save's writes share the same memory. Nothing is made
     where the bin already holds files (a previous run's, taken first) or recycling does not apply.
     Ranks of one host share the bin, and each makes its own files: a blank file is named after the
     process making it (:func:`_ahead_name`), and files that another running process is making ahead are
