@@ -260,7 +260,7 @@ def summarise(res: dict) -> str:
             rows.append(row("1gpu", ref_runs[m], None))
     cols = [("rank", "rank"), ("method", "method"), ("stall", "stall ms mean [min, max]"), ("first", "first"),
             ("local", "local"), ("paired", "paired"), ("steady", "steady x"), ("block", "save ms"), ("bfirst", "save 1st"), ("med", "step ms"),
-            ("persist", "persist s"), ("xref", "x 1gpu"), ("note", "note")]
+            ("persist", "persist s"), ("writes", "write s 1st/last [recycled]"), ("xref", "x 1gpu"), ("note", "note")]
     i, w = res["info"], res["workload"]
     head = (f"\n== stall, {w['world_size']} ranks ({i['backend']}, FSDP2): {i['device']}, torch {i['torch']}, {i['date']}\n"
             f"   D={w['D']} L={w['L']} B={w['B']} S={w['S']} per rank: {w['params'] / 1e6:.1f}M params, state "
@@ -285,7 +285,8 @@ def summarise(res: dict) -> str:
              "   halfway to the next save in the same run (drift and the host's own stalls cancel; a diagnostic); on `none` rows the\n"
              "   checkpoints' windows of a run without checkpoints (placebo);\n"
              "   steady x = mean step between checkpoints / `none` on the same steps; save ms = time inside the save call; "
-             "x 1gpu = mean stall / the single GPU's\n")
+             "x 1gpu = mean stall / the single GPU's\n"
+             "   " + S.WRITES_LEGEND)
     warnings = drift_warnings(res) + [f"rank {rk['rank']}: {w}" for rk in res.get("ranks", [])
                                       if (w := S.outside_warning(rk["runs"]))]
     profiles = [f"rank {rk['rank']} " + text for rk in res["ranks"] if (text := S.slow_step_lines(rk["runs"]))]

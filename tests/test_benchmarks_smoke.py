@@ -59,6 +59,9 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert len(io_only["stall_ms"]) >= 3 and len(io_only["persist_s"]) >= 2 and all(t > 0 for t in io_only["persist_s"])
     assert not [f for f in os.listdir(tmp_path / "ckd") if f.startswith("io")]  # the last files removed at the end
     assert "save/+1/+2/rest" in proc.stdout
+    last = ckd["stats"]["last_save"]  # the write column: first and last saves' seconds and recycled files
+    assert last["files"] >= 1 and 0 <= last["files_recycled"] <= last["files"]
+    assert "write s 1st/last [recycled]" in proc.stdout and f"/{last['files']}]" in proc.stdout
     assert "CUDA" in runs["copy_only"]["skipped"]  # the device-to-host copy alone: GPU only, said so on CPU
     assert "CUDA" in runs["clone_only"]["skipped"]  # device staging's copies alone: likewise
     counters = ckd["step_counters"]  # --step-counters: one delta per step of each counter the kernel has
