@@ -106,10 +106,12 @@ def first_saves_into_files_made_ahead(rank: int, world: int, root: str) -> Any:
         dist.barrier()
         blank = _inodes(root) if rank == 0 else None
         dist.barrier()
+        recycled = []
         for step in range(2):
             train_same_batches(model, opt, 1, seed=step + 1, features=WIDTH)
             mgr.save(step)
             mgr.wait()
+            recycled.append(mgr.stats()["last_save"]["files_recycled"])  # this rank's files
             dist.barrier()
         written = _inodes(root) if rank == 0 else None
         dist.barrier()
@@ -118,7 +120,7 @@ def first_saves_into_files_made_ahead(rank: int, world: int, root: str) -> Any:
     with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", dist_timeout_secs=30) as mgr:
         assert mgr.restore_latest() == 1
     assert_same_state(gathered_state(fresh, fresh_opt), want)
-    return made, blank, written
+    return made, blank, written, recycled
 
 
 def test_every_rank_of_a_host_writes_its_first_saves_into_files_made_ahead(tmp_path: Path) -> None:
@@ -126,8 +128,9 @@ def test_every_rank_of_a_host_writes_its_first_saves_into_files_made_ahead(tmp_p
     session 25 only the first rank to start did, and the other's first saves wrote new files), and
     the two saves of both ranks take all four."""
     results = run_distributed(first_saves_into_files_made_ahead, 2, str(tmp_path), deadline_secs=120)
-    (made0, blank, written), (made1, _, _) = results
+    (made0, blank, written, recycled0), (made1, _, _, recycled1) = results
     assert len(made0) == 2 and len(made1) == 2  # each rank: one shard file a save, two saves
+    assert recycled0 == recycled1 == [1, 1]  # stats() of each rank: its shard file written over a blank one
     blank_inodes = {v for k, v in blank.items() if k.startswith(recycle.BIN_NAME)}
     assert len(blank_inodes) == 4 and not any(k.startswith("step-") for k in blank)
     saved = {v for k, v in written.items() if k.startswith("step-")}
