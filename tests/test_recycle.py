@@ -48,7 +48,7 @@ def _persist_mappings(root) -> list[str]:
 
 
 def _state(seed: float = 0.0, rows: int = 2048):
-    model = torch.nn.Linear(2048, rows, bias=False)  # 16 MiB of weights: the model file is recycled
+    model = torch.nn.Linear(2048, rows, bias=False)  # 2048 rows: 16 MiB of weights, the model file is recycled
     with torch.no_grad():
         model.weight.fill_(seed)
     return model
