@@ -321,9 +321,13 @@ def test_files_ahead_wait_while_a_save_writes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer_mod.BackgroundWriter, "write_files", held)
     with CheckpointManager(tmp_path, {"model": _state()}, every_n_steps=1, keep_last=1, compression=None) as mgr:
+        preparing = threading.Event()  # held "preparing" until the save writes: no file is made before it
+        preparing.set()
+        monkeypatch.setattr(mgr._snap, "preparing", preparing.is_set)  # read only by the files-ahead wait
         mgr.maybe_save(0)
         try:
             assert entered.wait(30)
+            preparing.clear()  # from now on only the save's writing holds the files back
             assert mgr._files_ahead_wait()
             time.sleep(0.5)
             assert mgr._files_ahead.made == []
