@@ -123,5 +123,5 @@ class InFlight:
         if last is not None:
             out["last_save"] = {"step": last.step, **last.timings, "bytes_written": last.written_bytes,
                                 "raw_bytes": last.raw_bytes, "files": len(last.files),
-                                "files_recycled": last.files_recycled}
+                                "files_recycled": sum(1 for f in last.files if f.recycled)}
         return out

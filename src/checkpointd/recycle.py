@@ -441,16 +441,11 @@ class FilesAhead:
         not a mapping: nothing to unmap in the training process afterwards. Waits while ``busy()``;
         raises if stopped (the caller removes the file).
         """
-        zeros = bytes(min(ZERO_WRITE_BYTES, nbytes))
-        offset = 0
-        while offset < nbytes:
+        zeros = memoryview(bytes(min(ZERO_WRITE_BYTES, nbytes)))
+        for offset in range(0, nbytes, len(zeros)):
             if not self._idle():
                 raise RuntimeError("stopped")
-            n = min(len(zeros), nbytes - offset)
-            written = os.pwrite(fd, memoryview(zeros)[:n], offset)
-            if written <= 0:
-                raise OSError(errno.EIO, "no bytes written")
-            offset += written
+            fsinfo.pwrite_all(fd, zeros[:nbytes - offset], offset)
 
 
 ZERO_WRITE_BYTES = 8 << 20

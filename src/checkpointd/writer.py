@@ -78,8 +78,6 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
     raw_bytes: int = 0
-    files_recycled: int = 0
-    """How many of the files were written over files from the recycling bin (:attr:`FileJob.recycled`)."""
 
 
 class BackgroundWriter(SerialWorker):
@@ -187,7 +185,6 @@ class BackgroundWriter(SerialWorker):
         job.manifest.files = entries
         job.written_bytes = sum(e.size for e in entries)
         job.raw_bytes = sum(e.raw_size or 0 for e in entries)
-        job.files_recycled = sum(1 for f in job.files if f.recycled)
         return error
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
