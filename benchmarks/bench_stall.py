@@ -50,7 +50,10 @@ ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpoin
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
                "io_only_reuse", "copy_only", "clone_only"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
-                   "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none"]
+                   "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none",
+                   "checkpointd", "checkpointd_device", "none"]
+"""The baselines once; checkpointd's two targeted modes twice, between `none` runs, for the interleaved
+estimate (:func:`interleaved_summary`) that a drifting loop cannot bias."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -749,6 +752,100 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             r["steady_steps"] = len(steady)
             r["steady_mean_ratio"] = mean_m / mean_0
             r["steady_median_ratio"] = C.median([st[j] for j in steady]) / C.median([st0[j] for j in steady])
+    adjacent_stalls(runs, every)
+
+
+def adjacent_stalls(runs: list[dict], every: int) -> None:
+    """Score every run's windows against the `none` runs just before and after it (``stall_adjacent_ms``;
+    on `none` runs ``placebo_adjacent_ms``, against the nearest other `none` runs).
+
+    Why: the issue's baseline is "the same run without checkpointing". When the loop's median step
+    wanders by several ms within a process (two-GPU FSDP2 runs: 46-72 ms in 30-step blocks of one `none`
+    run, session 25), one pooled median of `none` runs minutes away moves every 21-step window by up to
+    hundreds of ms. Interleaving the methods (``none,checkpointd,none,checkpointd,none``) and scoring each
+    run against its neighbours turns that drift into noise that averages out over many checkpoints;
+    :func:`interleaved_summary` gives the mean with its 95 % confidence interval, the placebo beside it."""
+    nones = [k for k, r in enumerate(runs) if r["method"].split("#")[0] == "none" and r.get("step_s") and "error" not in r]
+    for k, r in enumerate(runs):
+        st = r.get("step_s")
+        if not st or "error" in r:
+            continue
+        is_none = k in nones
+        before = [j for j in nones if j < k]
+        after = [j for j in nones if j > k]
+        near = before[-1:] + after[:1]
+        if not near:
+            continue
+        med = C.median([x for j in near for x in runs[j]["step_s"][2:]])
+        if is_none:
+            at = [s for s in range(every, len(st) + 1, every) if s - 1 + WINDOW <= len(st)]
+            r["placebo_adjacent_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in at]
+        else:
+            r["stall_adjacent_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in r.get("saves", [])]
+        r["adjacent_median_step_ms"] = 1e3 * med
+
+
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+        15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00, 120: 1.98}
+
+
+def mean_ci95(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (Student's t; nan for fewer than 2)."""
+    n = len(xs)
+    mean = sum(xs) / n if n else float("nan")
+    if n < 2:
+        return mean, float("nan")
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5
+    df = n - 1
+    t = next((v for d, v in sorted(_T95.items()) if d >= df), 1.96)
+    return mean, t * sd / n ** 0.5
+
+
+def interleaved_summary(runs: list[dict]) -> list[dict]:
+    """Per method (repeats pooled: ``checkpointd`` and ``checkpointd#2`` together): every checkpoint's
+    window against its run's neighbouring `none` runs (:func:`adjacent_stalls`) and against the window
+    halfway to the next save (``paired``), as mean +- 95 % CI over all of them; `none` runs give the
+    placebo, the same estimator where no checkpoint was taken. Empty unless some method ran twice."""
+    bases = [r["method"].split("#")[0] for r in runs]
+    if not any(bases.count(b) > 1 and b != "none" for b in set(bases)):
+        return []
+    out = []
+    for base in dict.fromkeys(bases):
+        mine = [r for r in runs if r["method"].split("#")[0] == base]
+        key = "placebo_adjacent_ms" if base == "none" else "stall_adjacent_ms"
+        adj = [x for r in mine for x in r.get(key) or []]
+        pair = [x for r in mine for x in r.get("stall_paired_ms") or []]
+        if not adj:
+            continue
+        m, h = mean_ci95(adj)
+        row = {"method": base, "runs": len(mine), "n": len(adj), "mean_ms": m, "ci95_ms": h,
+               "min_ms": min(adj), "max_ms": max(adj), "placebo": base == "none"}
+        if pair:
+            pm, ph = mean_ci95(pair)
+            row.update(paired_n=len(pair), paired_mean_ms=pm, paired_ci95_ms=ph)
+        out.append(row)
+    return out
+
+
+def interleaved_lines(rows: list[dict], label: str = "", targets: dict[str, float | None] | None = None) -> str:
+    """The interleaved estimate as text (one line per method), '' if there is none; with ``targets``
+    (method: ms), whether the mean meets it and whether the whole 95 % interval does."""
+    if not rows:
+        return ""
+    out = [f"interleaved{label}: each checkpoint's window against the `none` runs just before and after its run; mean +- 95% CI "
+           "over all windows of the method's runs (`none`: the placebo, the same windows without checkpoints)"]
+    for r in rows:
+        line = (f"   {r['method']:<20} {r['mean_ms']:8.1f} +- {C.fmt(r['ci95_ms'])} ms  [{r['min_ms']:.1f}, {r['max_ms']:.1f}]  "
+                f"n={r['n']} windows in {r['runs']} runs")
+        if "paired_mean_ms" in r:
+            line += f"; paired {r['paired_mean_ms']:.1f} +- {C.fmt(r['paired_ci95_ms'])} (n={r['paired_n']})"
+        tgt = (targets or {}).get(r["method"])
+        if tgt is not None:
+            upper = r["mean_ms"] + (r["ci95_ms"] if r["ci95_ms"] == r["ci95_ms"] else 0.0)
+            line += f"; target {tgt:.1f}: {'ok' if r['mean_ms'] <= tgt else 'MISS'}" + (
+                " (the whole interval below)" if upper <= tgt else "")
+        out.append(line)
+    return "\n".join(out)
 
 
 LOCAL_BASE_STEPS = 20
@@ -962,8 +1059,10 @@ def summarise(res: dict) -> str:
     warning = drift_warning(runs)
     outside = outside_warning(runs)
     profile = slow_step_lines(runs)
+    inter = interleaved_lines(interleaved_summary(runs), targets={"checkpointd": fl.get("target_pinned_ms"),
+                                                                  "checkpointd_device": fl.get("target_device_ms")})
     return (head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)]) + ("\n" + warning if warning else "")
-            + ("\n" + outside if outside else "") + ("\n" + profile if profile else ""))
+            + ("\n" + outside if outside else "") + ("\n" + profile if profile else "") + ("\n" + inter if inter else ""))
 
 
 def slow_step_lines(runs: list[dict]) -> str:
@@ -1099,6 +1198,7 @@ def main(argv=None):
     print(text + ("\n" + stats if stats else ""), flush=True)
     res["table"] = text + ("\n" + stats if stats else "")
     res["drift_warning"] = drift_warning(res["runs"])
+    res["interleaved"] = interleaved_summary(res["runs"])
     res["complete"] = True
     C.write_json(args.json, res)
     return res

@@ -42,11 +42,18 @@ runs every layer on every rank), not L/N, so compare stalls, not step times.
 
 Run (2 GPUs, NCCL for training, each rank on cuda:LOCAL_RANK; the checkpoint dir must be shared by the ranks):
 
-    torchrun --nproc_per_node=2 benchmarks/bench_stall_dist.py --state-gb 5 --every 100 --ckpts 4 \\
-        --methods none,checkpointd,dcp_async,none --dir /dev/shm/ckd-dist --json stall_dist.json
-    python benchmarks/bench_stall.py --state-gb 2.5 --every 100 --ckpts 4 \\
-        --methods none,checkpointd,dcp_async,none --json stall_1gpu.json     # the reference, one GPU
-    (then rerun the first with --ref-json stall_1gpu.json, or compare the tables)
+    M=none,checkpointd,none,checkpointd,none,checkpointd,none
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_stall.py --state-gb 2.5 --every 60 --ckpts 6 \\
+        --methods $M --dir /dev/shm/ckd-1 --json stall_1gpu.json     # the reference, one GPU
+    torchrun --nproc_per_node=2 benchmarks/bench_stall_dist.py --state-gb 5 --every 60 --ckpts 6 \\
+        --methods $M --dir /dev/shm/ckd-dist --ref-json stall_1gpu.json --json stall_dist.json
+
+Why interleaved (``checkpointd`` three times between ``none`` runs): the two-GPU loop's median step
+wanders by several ms within the process (46-72 ms in 30-step blocks of one ``none`` run, session 25),
+so one pooled baseline biases a 21-step window by up to hundreds of ms. The ``interleaved`` lines under
+the table score each window against the ``none`` runs beside its run and give the mean with its 95 %
+confidence interval, the placebo beside it (``bench_stall.interleaved_summary``); ``paired`` there is
+the drift-free estimate (each window minus one halfway to the next save). ``dcp_async`` can be added.
 
 CPU smoke test (gloo; timings mean nothing):
 
@@ -290,8 +297,11 @@ def summarise(res: dict) -> str:
     warnings = drift_warnings(res) + [f"rank {rk['rank']}: {w}" for rk in res.get("ranks", [])
                                       if (w := S.outside_warning(rk["runs"]))]
     profiles = [f"rank {rk['rank']} " + text for rk in res["ranks"] if (text := S.slow_step_lines(rk["runs"]))]
+    inter = [text for rk in res["ranks"] if (text := S.interleaved_lines(S.interleaved_summary(rk["runs"]), f", rank {rk['rank']}"))]
+    if ref and (text := S.interleaved_lines(S.interleaved_summary(ref.get("runs", [])), ", 1gpu (half the state)")):
+        inter.append(text)
     return (head + C.table(rows, [c for c in cols if any(c[0] in r for r in rows)])
-            + "".join("\n" + w for w in warnings) + "".join("\n" + p for p in profiles))
+            + "".join("\n" + w for w in warnings) + "".join("\n" + p for p in profiles) + "".join("\n" + t for t in inter))
 
 
 def drift_warnings(res: dict) -> list[str]:
@@ -425,6 +435,7 @@ def _main(args, ctx: Ctx, prefault: dict):
         stats = S.ckd_stats_lines(res["ranks"][0]["runs"])
         res["table"] = text + ("\n   rank 0:\n" + stats if stats else "")
         res["drift_warning"] = drift_warnings(res) or None
+        res["interleaved_by_rank"] = [S.interleaved_summary(rk["runs"]) for rk in res["ranks"]]
         print(res["table"], flush=True)
         res["complete"] = True
         C.write_json(args.json, res)

@@ -149,7 +149,7 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
     env["DIST_TIMEOUT_S"] = "60"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", str(BENCH / "bench_stall_dist.py"), "--cpu", "--tiny",
-           "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none", "--dir", str(tmp_path / "ckd"),
+           "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none,checkpointd,none", "--dir", str(tmp_path / "ckd"),
            "--step-counters", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, f"bench_stall_dist.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -166,6 +166,10 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
             assert ckd["stats"]["saves_committed"] == 3
             assert len(ckd["step_counters"]["pgfault"]) == len(ckd["step_s"])  # --step-counters on every rank
     assert "stall ms mean [min, max]" in proc.stdout
+    for rank, rows in enumerate(data["interleaved_by_rank"]):  # checkpointd ran twice between `none` runs
+        ckd = next(r for r in rows if r["method"] == "checkpointd")
+        assert ckd["runs"] == 2 and ckd["n"] == 6 and ckd["ci95_ms"] >= 0
+        assert f"interleaved, rank {rank}:" in proc.stdout
 
 
 @pytest.mark.timeout(120)
@@ -245,6 +249,42 @@ def test_bench_stall_sums_a_spread_cost_before_the_first_save() -> None:
                                               "workload": {"D": 1, "L": 1, "B": 1, "S": 1, "params": 1, "state_bytes": 1,
                                                            "tensors": 1, "ckpts": 2, "every": every, "steps": steps,
                                                            "dir": "d", "dir_fs": "tmpfs"}})
+
+
+def test_interleaved_runs_score_each_window_against_the_none_runs_beside_it() -> None:
+    """A loop whose step time climbs 10 -> 14 ms over five interleaved runs, each checkpoint costing 30 ms
+    in one step: the pooled baseline gives 9 and 51 ms (drift); the runs' neighbours give 30 every time,
+    and the `none` runs scored the same way (the placebo) average 0."""
+    bench_stall = _bench_module("bench_stall")
+    every, steps = 30, 89
+    levels = {"none": 0.010, "checkpointd": 0.011, "none#2": 0.012, "checkpointd#2": 0.013, "none#3": 0.014}
+    runs = []
+    for m, level in levels.items():
+        st = [level] * steps
+        saves = [] if m.startswith("none") else [30, 60]
+        for s in saves:
+            st[s] += 0.030
+        runs.append({"method": m, "step_s": st, "saves": saves, "block_s": [0.001] * len(saves)})
+    bench_stall.analyse(runs, every, steps)
+    by = {r["method"]: r for r in runs}
+    assert [round(x, 6) for x in by["checkpointd"]["stall_ms"]] == [9.0, 9.0]  # against the pooled median, 12 ms
+    assert [round(x, 6) for x in by["checkpointd#2"]["stall_ms"]] == [51.0, 51.0]
+    assert [round(x, 6) for x in by["checkpointd"]["stall_adjacent_ms"]] == [30.0, 30.0]
+    assert [round(x, 6) for x in by["checkpointd#2"]["stall_adjacent_ms"]] == [30.0, 30.0]
+    assert [round(x, 6) for x in by["none"]["placebo_adjacent_ms"]] == [-42.0, -42.0]  # against none#2 alone
+    assert [round(x, 6) for x in by["none#2"]["placebo_adjacent_ms"]] == [0.0, 0.0]
+    rows = {r["method"]: r for r in bench_stall.interleaved_summary(runs)}
+    ckd = rows["checkpointd"]
+    assert ckd["runs"] == 2 and ckd["n"] == 4 and abs(ckd["mean_ms"] - 30.0) < 1e-6 and abs(ckd["ci95_ms"]) < 1e-6
+    assert rows["none"]["placebo"] and rows["none"]["n"] == 6 and abs(rows["none"]["mean_ms"]) < 1e-6
+    assert rows["none"]["ci95_ms"] > 10  # -42, 0, +42 twice each: the placebo's spread shows
+    text = bench_stall.summarise({"runs": runs, "info": {"device": "cpu", "torch": "x", "date": "d"},
+                                  "workload": {"D": 1, "L": 1, "B": 1, "S": 1, "params": 1, "state_bytes": 1, "tensors": 1,
+                                               "ckpts": 2, "every": every, "steps": steps, "dir": "d", "dir_fs": "tmpfs"}})
+    assert "interleaved:" in text and "checkpointd              30.0 +- 0.0 ms" in text
+    assert bench_stall.interleaved_summary(runs[:3]) == []  # none,checkpointd,none: nothing repeated, the table says it all
+    mean, half = bench_stall.mean_ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.30 * 1.0 / 3 ** 0.5) < 1e-9
 
 
 def test_bench_stall_dist_warns_per_rank_when_the_loop_drifts() -> None:
