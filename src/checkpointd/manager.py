@@ -562,6 +562,10 @@ class CheckpointManager:
         competes with their making for the same memory (``recycle.FilesAhead``)."""
         return self._snap.preparing() or self._inflight.writing()
 
+    def _saves_started(self) -> int:
+        """Saves begun so far: blank files made ahead for saves that began without them are not made."""
+        return self._inflight.counters.saves_started
+
     def _prepare_buffers(self) -> None:
         """Allocate (and pin) staging buffers for the current state layout, in the background."""
         self._buffers_pending = False
@@ -579,7 +583,8 @@ class CheckpointManager:
             return  # bad state is reported by maybe_save, where the user expects it
         self._snap.prepare_async(*staging_layout(self._entries, files))
         if getattr(self, "_files_ahead", None) is None:
-            self._files_ahead = files_ahead(self._store, self._codec, files, busy=self._files_ahead_wait) or False
+            self._files_ahead = files_ahead(self._store, self._codec, files, busy=self._files_ahead_wait,
+                                            saves_started=self._saves_started) or False
         elif self._files_ahead and self._inflight.counters.saves_started == 0:
             self._files_ahead.want(blank_file_sizes(files))  # e.g. the optimizer's state appeared since
 

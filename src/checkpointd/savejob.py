@@ -124,7 +124,8 @@ def staging_layout(entries: Sequence[Entry], files: Sequence[FileContent]) -> tu
     return [tensor_spec(t) for t in ordered], cuda_device, [t.device.type == "cuda" for t in ordered]
 
 
-def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Callable[[], bool] | None = None) -> Any:
+def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Callable[[], bool] | None = None,
+                saves_started: Callable[[], int] | None = None) -> Any:
     """Blank files for the first saves of ``files`` (:class:`checkpointd.recycle.FilesAhead`), started
     (made once ``busy()`` is False); None where saves would not take them (no recycling, a codec,
     streaming writes) or they are turned off."""
@@ -134,7 +135,8 @@ def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Call
     if (sets == 0 or not recycle.enabled(store) or getattr(codec, "name", None) != "none"
             or os.environ.get(PARALLEL_WRITE_ENV, "1") == "0"):
         return None
-    ahead = recycle.FilesAhead(store, blank_file_sizes(files), sets, premap=persist_process.keep_blank_file, busy=busy)
+    ahead = recycle.FilesAhead(store, blank_file_sizes(files), sets, premap=persist_process.keep_blank_file, busy=busy,
+                               saves_started=saves_started)
     ahead.start()
     return ahead
 
