@@ -796,8 +796,7 @@ def mean_ci95(xs: list[float]) -> tuple[float, float]:
     if n < 2:
         return mean, float("nan")
     sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5
-    df = n - 1
-    t = next((v for d, v in sorted(_T95.items()) if d >= df), 1.96)
+    t = _T95[max(d for d in _T95 if d <= n - 1)]  # the tabulated df at or below: never narrower than exact
     return mean, t * sd / n ** 0.5
 
 
