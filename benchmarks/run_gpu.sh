@@ -17,7 +17,7 @@
 #   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
 #            persist_disk,restore_disk), e.g. to split a run over several shorter sessions with one OUT
 #   BUDGET_S [1900 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
-#   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...]  D L B S
+#   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
@@ -36,7 +36,8 @@ STATE_GB=${STATE_GB:-5}
 # (session 19, split with STAGES over three sessions) the stages took 215 s (stall), 218 s (tmpfs persist
 # and restore, compression) and 436 s (disk; persist_disk ran into its old 300 s cap at the end of its
 # last round): ~15 minutes. Session 20 added the restore's fresh-process and phase rows: restore_tmpfs
-# alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). To fit a time limit set
+# alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). Session 26 ran checkpointd and
+# device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. To fit a time limit set
 # BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
