@@ -8,7 +8,9 @@
 #   2. bench_persist.py (persist throughput; tmpfs, then disk)     -> $OUT/persist_tmpfs.json, persist_disk.json
 #   3. bench_restore.py (restore throughput; tmpfs, then disk)     -> $OUT/restore_tmpfs.json, restore_disk.json
 #   4. bench_compression.py (zstd-planes ratio and speed, CPU)     -> $OUT/compression.json
-# (order: stall, persist_tmpfs, restore_tmpfs, compression, persist_disk, restore_disk)
+#   5. on a host with 2 GPUs or more: bench_stall.py on one GPU with half the state, then
+#      bench_stall_dist.py under torchrun on 2 (FSDP2, sharded; interleaved) -> $OUT/stall_1gpu_half.json, stall_dist.json
+# (order: stall, persist_tmpfs, restore_tmpfs, compression, persist_disk, restore_disk, stall_dist)
 # and prints the compact tables last. Stages run in that order under one time budget (BUDGET_S); a stage
 # that runs out of time is interrupted and its partial JSON is kept (tables say PARTIAL).
 #
@@ -20,6 +22,7 @@
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
+#   stall_dist: DIST_EVERY [60]  DIST_CKPTS [6]  DIST_METHODS [none,checkpointd,none,checkpointd,none,checkpointd,none]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
 #   PREFAULT_GB [auto]: host memory the first stage run writes once before timing (a fresh VM maps its
 #            pages on first write, ~4x slower: benchmarks/common.py prefault_host_memory); later stages skip it
@@ -45,7 +48,7 @@ BUDGET_S=${BUDGET_S:-$(( 1900 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
-ALL_STAGES="stall,persist_tmpfs,restore_tmpfs,compression,persist_disk,restore_disk"
+ALL_STAGES="stall,persist_tmpfs,restore_tmpfs,compression,persist_disk,restore_disk,stall_dist"
 STAGES=${STAGES:-$ALL_STAGES}
 for s in ${STAGES//,/ }; do
     case ",$ALL_STAGES," in *",$s,"*) ;; *) echo "run_gpu.sh: unknown stage '$s' in STAGES (known: $ALL_STAGES)" >&2; exit 2 ;; esac
@@ -85,10 +88,12 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 df -h "$(dirname "$TMPFS_DIR")" "$(dirname "$DISK_DIR")" 2>/dev/null | tee "$OUT/df.txt"
 
-# stage NAME CAP_SECONDS ARGS...: run one benchmark under min(CAP, what is left of BUDGET_S)
+# stage NAME CAP_SECONDS ARGS...: run one benchmark under min(CAP, what is left of BUDGET_S); with
+# STAGE_OUT=X before the call, a benchmark of stage NAME that writes $OUT/X.json (a stage's second part)
 stage() {
-    local name=$1 cap=$2; shift 2
-    case ",$STAGES," in *",$name,"*) ;; *) echo "== $name: not in STAGES"; return ;; esac
+    local gate=$1 cap=$2; shift 2
+    local name=${STAGE_OUT:-$gate}
+    case ",$STAGES," in *",$gate,"*) ;; *) echo "== $name: not in STAGES"; return ;; esac
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local t=$(( cap < left ? cap : left ))
     if [ "$t" -lt 20 ]; then
@@ -118,6 +123,22 @@ if [ "$SKIP_DISK" != "1" ]; then
     stage restore_disk $(( 300 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
+# Two GPUs (issue 6: the per-rank stall about one GPU's with half the state): the reference on one GPU
+# first, then the same methods on two under torchrun, interleaved with `none` runs (bench_stall_dist.py's
+# docstring says why); CPU mode (BENCH_ARGS=--cpu ...) runs it on gloo as a smoke test.
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+case " ${BENCH_ARGS:-} " in *" --cpu "*) DIST_OK=1 ;; *) DIST_OK=$(( NGPU >= 2 )) ;; esac
+if [ "$DIST_OK" = "1" ]; then
+    HALF_GB=$(awk -v g="$STATE_GB" 'BEGIN { print g / 2 }')
+    DIST_ARGS=(--every "${DIST_EVERY:-60}" --ckpts "${DIST_CKPTS:-6}"
+               --methods "${DIST_METHODS:-none,checkpointd,none,checkpointd,none,checkpointd,none}")
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-0} STAGE_OUT=stall_1gpu_half stage stall_dist $(( 300 * SCALE )) \
+        benchmarks/bench_stall.py --state-gb "$HALF_GB" --dir "$TMPFS_DIR/stall-1gpu" "${DIST_ARGS[@]}"
+    stage stall_dist $(( 480 * SCALE )) -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/bench_stall_dist.py \
+        --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall-dist" --ref-json "$OUT/stall_1gpu_half.json" "${DIST_ARGS[@]}"
+else
+    echo "== stall_dist: skipped, needs 2 GPUs (found $NGPU)"
+fi
 rm -rf "$TMPFS_DIR" "$DISK_DIR"
 
 echo
@@ -128,7 +149,8 @@ sys.path.insert(0, "benchmarks")
 import bench_stall, bench_persist, bench_restore
 out = os.environ["OUT"]
 for name, mod in [("stall", bench_stall), ("persist_tmpfs", bench_persist), ("restore_tmpfs", bench_restore),
-                  ("persist_disk", bench_persist), ("restore_disk", bench_restore), ("compression", None)]:
+                  ("persist_disk", bench_persist), ("restore_disk", bench_restore), ("compression", None),
+                  ("stall_dist", None)]:
     p = os.path.join(out, name + ".json")
     if not os.path.exists(p):
         print(f"\n== {name}: no result ({p} missing)")

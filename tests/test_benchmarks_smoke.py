@@ -331,7 +331,7 @@ def test_run_gpu_sh_runs_the_stages_asked_for(tmp_path: Path) -> None:
                PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for skipped in ("stall", "persist_tmpfs", "compression", "persist_disk", "restore_disk"):
+    for skipped in ("stall", "persist_tmpfs", "compression", "persist_disk", "restore_disk", "stall_1gpu_half", "stall_dist"):
         assert f"== {skipped}: not in STAGES" in proc.stdout
     restored = json.loads((tmp_path / "out" / "restore_tmpfs.json").read_text())
     assert restored["complete"] and any(r["kind"] == "checkpointd" and r.get("ok") for r in restored["dirs"][0]["rows"])
@@ -340,3 +340,26 @@ def test_run_gpu_sh_runs_the_stages_asked_for(tmp_path: Path) -> None:
     bad = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=dict(env, STAGES="stall,restore"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown stage 'restore'" in bad.stderr
+
+
+@pytest.mark.timeout(200)
+def test_run_gpu_sh_runs_the_two_gpu_comparison_as_one_stage(tmp_path: Path) -> None:
+    """Stage ``stall_dist``: one GPU with half the state, then two ranks under torchrun against it, both
+    interleaved (here on gloo, ``--cpu``); on a host with fewer than two GPUs it says so and runs nothing."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), TMPFS_DIR=str(tmp_path / "t"), DISK_DIR=str(tmp_path / "d"),
+               STAGES="stall_dist", BENCH_ARGS="--cpu --tiny", CUDA_VISIBLE_DEVICES="", WHEELS=str(tmp_path / "none"),
+               PYTHON=sys.executable, DIST_EVERY="22", DIST_CKPTS="3", DIST_METHODS="none,checkpointd,none,checkpointd,none",
+               DIST_TIMEOUT_S="60")
+    proc = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref = json.loads((tmp_path / "out" / "stall_1gpu_half.json").read_text())
+    dist = json.loads((tmp_path / "out" / "stall_dist.json").read_text())
+    assert ref["complete"] and dist["complete"] and dist["workload"]["world_size"] == 2
+    assert dist["ref_path"] == str(tmp_path / "out" / "stall_1gpu_half.json") and dist["ref"]["runs"]
+    assert [r["runs"] for r in ref["interleaved"] if r["method"] == "checkpointd"] == [2]
+    assert all(any(r["method"] == "checkpointd" and r["n"] == 6 for r in rows) for rows in dist["interleaved_by_rank"])
+    assert "interleaved, 1gpu (half the state)" in proc.stdout  # the summary prints the two-GPU table
+    none = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=dict(env, BENCH_ARGS="", OUT=str(tmp_path / "o2")),
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 0 and "== stall_dist: skipped, needs 2 GPUs (found 0)" in none.stdout
+    assert not list((tmp_path / "o2").glob("*.json"))
