@@ -727,8 +727,8 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             r["stall_by_step_ms"] = [1e3 * sum(p) / len(p) for p in parts]
         at = r["saves"]
         if not r["saves"]:  # the none runs, scored with the checkpoints' windows: the host's own noise
-            at = [k * every for k in range(1, steps // every + 1) if k * every - 1 + WINDOW <= len(st)]
-            r["placebo_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in at]
+            at = placebo_saves(st, every, steps)
+            r["placebo_ms"] = [1e3 * window_sum(st, s, med) for s in at]
         r["stall_paired_ms"] = [1e3 * x for x in paired_stalls(st, at, every, med)]
         in_window = set()
         for s in r["saves"]:
@@ -752,10 +752,20 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
             r["steady_steps"] = len(steady)
             r["steady_mean_ratio"] = mean_m / mean_0
             r["steady_median_ratio"] = C.median([st[j] for j in steady]) / C.median([st0[j] for j in steady])
-    adjacent_stalls(runs, every)
+    adjacent_stalls(runs, every, steps)
 
 
-def adjacent_stalls(runs: list[dict], every: int) -> None:
+def placebo_saves(st: list[float], every: int, steps: int) -> list[int]:
+    """The steps a run without checkpoints is scored at: where the checkpoints would be, whole windows only."""
+    return [k * every for k in range(1, steps // every + 1) if k * every - 1 + WINDOW <= len(st)]
+
+
+def window_sum(st: list[float], save: int, base: float) -> float:
+    """The stall of one window: the save step and the 20 after it, each against ``base``."""
+    return sum(st[j] - base for j in range(save - 1, save - 1 + WINDOW))
+
+
+def adjacent_stalls(runs: list[dict], every: int, steps: int) -> None:
     """Score every run's windows against the `none` runs just before and after it (``stall_adjacent_ms``;
     on `none` runs ``placebo_adjacent_ms``, against the nearest other `none` runs).
 
@@ -778,10 +788,9 @@ def adjacent_stalls(runs: list[dict], every: int) -> None:
             continue
         med = C.median([x for j in near for x in runs[j]["step_s"][2:]])
         if is_none:
-            at = [s for s in range(every, len(st) + 1, every) if s - 1 + WINDOW <= len(st)]
-            r["placebo_adjacent_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in at]
+            r["placebo_adjacent_ms"] = [1e3 * window_sum(st, s, med) for s in placebo_saves(st, every, steps)]
         else:
-            r["stall_adjacent_ms"] = [1e3 * sum(st[j] - med for j in range(s - 1, s - 1 + WINDOW)) for s in r.get("saves", [])]
+            r["stall_adjacent_ms"] = [1e3 * window_sum(st, s, med) for s in r.get("saves", [])]
         r["adjacent_median_step_ms"] = 1e3 * med
 
 

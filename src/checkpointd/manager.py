@@ -585,7 +585,7 @@ class CheckpointManager:
         if getattr(self, "_files_ahead", None) is None:
             self._files_ahead = files_ahead(self._store, self._codec, files, busy=self._files_ahead_wait,
                                             saves_started=self._saves_started) or False
-        elif self._files_ahead and self._inflight.counters.saves_started == 0:
+        elif self._files_ahead and self._saves_started() == 0:
             self._files_ahead.want(blank_file_sizes(files))  # e.g. the optimizer's state appeared since
 
 

@@ -303,8 +303,6 @@ class FilesAhead:
         self.premap = premap
         self.busy = busy
         self.saves_started = saves_started
-        self.made: list[int] = []
-        """Sizes of the files made so far (tests, stats)."""
         self._ready_paths: list[tuple[str, int]] = []
         """(bin path, size) of every file made; one that is gone was taken by a save."""
         self.given_up = 0
@@ -315,6 +313,12 @@ class FilesAhead:
         """Set by :meth:`stop`, a failure, or a bin that held files: nothing more is made."""
         self._thread: threading.Thread | None = None
         self._bin_checked = False
+
+    @property
+    def made(self) -> list[int]:
+        """Sizes of the files made so far, in order (tests, stats)."""
+        with self._lock:
+            return [n for _, n in self._ready_paths]
 
     @staticmethod
     def _large(sizes: Sequence[int]) -> list[int]:
@@ -380,7 +384,7 @@ class FilesAhead:
     def _wanted(self) -> tuple[int, collections.Counter]:
         """(sets still wanted, files of each size that count towards them)."""
         if self.saves_started is None:
-            return self.sets, collections.Counter(self.made)
+            return self.sets, collections.Counter(n for _, n in self._ready_paths)
         waiting = collections.Counter(n for path, n in self._ready_paths if os.path.exists(path))
         return max(0, self.sets - self.saves_started()), waiting
 
@@ -460,7 +464,6 @@ class FilesAhead:
             _unlink(checking)
             return False
         with self._lock:
-            self.made.append(nbytes)
             self._ready_paths.append((ready, nbytes))
         return True
 
