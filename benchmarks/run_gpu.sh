@@ -17,7 +17,7 @@
 # Environment (defaults in brackets):
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
 #   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
-#            persist_disk,restore_disk), e.g. to split a run over several shorter sessions with one OUT
+#            persist_disk,restore_disk,stall_dist), e.g. to split a run over several shorter sessions with one OUT
 #   BUDGET_S [1900 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
@@ -40,7 +40,8 @@ STATE_GB=${STATE_GB:-5}
 # and restore, compression) and 436 s (disk; persist_disk ran into its old 300 s cap at the end of its
 # last round): ~15 minutes. Session 20 added the restore's fresh-process and phase rows: restore_tmpfs
 # alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). Session 26 ran checkpointd and
-# device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. To fit a time limit set
+# device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. The stall_dist stage
+# (session 27, 2x H200) took 361 s with ten runs a side (the default is seven). To fit a time limit set
 # BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')

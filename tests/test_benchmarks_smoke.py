@@ -149,7 +149,8 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
     env["DIST_TIMEOUT_S"] = "60"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", str(BENCH / "bench_stall_dist.py"), "--cpu", "--tiny",
-           "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none,checkpointd,none", "--dir", str(tmp_path / "ckd"),
+           "--every", "22", "--methods", "none,checkpointd,checkpointd_threads,dcp_async,none,checkpointd,io_only_reuse,none",
+           "--dir", str(tmp_path / "ckd"),
            "--step-counters", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, f"bench_stall_dist.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -165,6 +166,10 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
             assert "error" not in ckd, ckd.get("error")
             assert ckd["stats"]["saves_committed"] == 3
             assert len(ckd["step_counters"]["pgfault"]) == len(ckd["step_s"])  # --step-counters on every rank
+        # io_only_reuse drives the persist process directly; run last of its users, it once left the
+        # process's exit to abort both ranks (bench_stall_dist.main shuts the persist process down)
+        io = next(r for r in rk["runs"] if r["method"] == "io_only_reuse")
+        assert "error" not in io and len(io["persist_s"]) == 3, io.get("error")
     assert "stall ms mean [min, max]" in proc.stdout
     for rank, rows in enumerate(data["interleaved_by_rank"]):  # checkpointd ran twice between `none` runs
         ckd = next(r for r in rows if r["method"] == "checkpointd")
