@@ -694,13 +694,23 @@ class Bench:
         return res
 
 
+def run_base(method: str) -> str:
+    """A run's method without its repeat count (``checkpointd#2`` -> ``checkpointd``)."""
+    return method.split("#")[0]
+
+
+def is_baseline_run(r: dict) -> bool:
+    """A `none` run that has step times to measure against (not an error)."""
+    return run_base(r["method"]) == "none" and bool(r.get("step_s")) and "error" not in r
+
+
 def analyse(runs: list[dict], every: int, steps: int) -> None:
     """Add stall numbers to every run, against the `none` runs of this process.
 
     The baseline median is that of all `none` steps pooled (the first two of each run left out), so a
     later `none` run guards against drift; per-step baselines (steady x) average the `none` runs.
     """
-    bases = [r["step_s"] for r in runs if r["method"].split("#")[0] == "none" and r.get("step_s") and "error" not in r]
+    bases = [r["step_s"] for r in runs if is_baseline_run(r)]
     if not bases:
         return
     n0 = min(len(b) for b in bases)
@@ -775,7 +785,7 @@ def adjacent_stalls(runs: list[dict], every: int, steps: int) -> None:
     hundreds of ms. Interleaving the methods (``none,checkpointd,none,checkpointd,none``) and scoring each
     run against its neighbours turns that drift into noise that averages out over many checkpoints;
     :func:`interleaved_summary` gives the mean with its 95 % confidence interval, the placebo beside it."""
-    nones = [k for k, r in enumerate(runs) if r["method"].split("#")[0] == "none" and r.get("step_s") and "error" not in r]
+    nones = [k for k, r in enumerate(runs) if is_baseline_run(r)]
     for k, r in enumerate(runs):
         st = r.get("step_s")
         if not st or "error" in r:
@@ -814,12 +824,12 @@ def interleaved_summary(runs: list[dict]) -> list[dict]:
     window against its run's neighbouring `none` runs (:func:`adjacent_stalls`) and against the window
     halfway to the next save (``paired``), as mean +- 95 % CI over all of them; `none` runs give the
     placebo, the same estimator where no checkpoint was taken. Empty unless some method ran twice."""
-    bases = [r["method"].split("#")[0] for r in runs]
+    bases = [run_base(r["method"]) for r in runs]
     if not any(bases.count(b) > 1 and b != "none" for b in set(bases)):
         return []
     out = []
     for base in dict.fromkeys(bases):
-        mine = [r for r in runs if r["method"].split("#")[0] == base]
+        mine = [r for r in runs if run_base(r["method"]) == base]
         key = "placebo_adjacent_ms" if base == "none" else "stall_adjacent_ms"
         adj = [x for r in mine for x in r.get(key) or []]
         pair = [x for r in mine for x in r.get("stall_paired_ms") or []]
@@ -932,8 +942,8 @@ def drift_warning(runs: list[dict]) -> str | None:
     if not base:
         return None
     measured = [(r["method"], r["median_step_ms"]) for r in runs if r.get("median_step_ms")]
-    nones = [(m, v) for m, v in measured if m.split("#")[0] == "none"]
-    off = [(m, v) for m, v in measured if m.split("#")[0] != "none" and v < base * (1.0 - DRIFT_WARN)]
+    nones = [(m, v) for m, v in measured if run_base(m) == "none"]
+    off = [(m, v) for m, v in measured if run_base(m) != "none" and v < base * (1.0 - DRIFT_WARN)]
     if len(nones) >= 2 and max(v for _, v in nones) > min(v for _, v in nones) * (1.0 + DRIFT_WARN):
         off = nones + off
     if not off:
@@ -972,7 +982,7 @@ def summarise(res: dict) -> str:
     rows = []
     for r in runs:
         row: dict[str, Any] = {"method": r["method"]}
-        base = r["method"].split("#")[0].split("@")[0]
+        base = run_base(r["method"]).split("@")[0]
         if "skipped" in r:
             row["note"] = "skipped: " + r["skipped"]
             rows.append(row)
@@ -1049,7 +1059,7 @@ def summarise(res: dict) -> str:
                      f"   targets: pinned stall <= 1.2*max(0, copy - fwdbwd) + 10 = {fl['target_pinned_ms']:.1f} ms "
                      f"and >= 40x below dcp_async; device staging <= 20 ms; steady x <= 1.02")
         head += "\n"
-    nones = [r for r in runs if r["method"].split("#")[0] == "none" and "median_step_ms" in r]
+    nones = [r for r in runs if run_base(r["method"]) == "none" and "median_step_ms" in r]
     if nones:
         head += ("   `none` baseline median step " + C.fmt(nones[0].get("none_median_step_ms"), ".2f") + " ms (pooled over "
                  + ", ".join(f"{r['method']} {r['median_step_ms']:.2f}" for r in nones) + " ms)\n")

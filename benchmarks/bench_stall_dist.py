@@ -365,10 +365,10 @@ def main(argv=None):
     try:
         return _main(args, ctx, prefault)
     finally:
-        # The persist process is shut down here, not by its atexit hook: after the `io_only*` methods
-        # (which drive it directly) on gloo, leaving it to that hook aborted both ranks at exit
-        # ("terminate called without an active exception", after the JSON was written; CPU VM,
-        # torch 2.13; not seen on the GPU hosts, whose runs exit cleanly). Cause not isolated.
+        # The persist process is shut down here, not by its atexit hook: with an `io_only*` method (which
+        # drives it directly) as its last user on gloo, leaving it to that hook aborted both ranks in the
+        # interpreter's teardown, after every atexit handler had run ("terminate called without an
+        # active exception"; CPU VM, torch 2.13; not seen on the GPU hosts). Cause not isolated.
         from checkpointd import persist_process  # noqa: PLC0415
 
         persist_process.shutdown()

@@ -284,9 +284,10 @@ class FilesAhead:
 
     Only files that a save will still take are made (``saves_started``): set k is for save k + 1, so
     once that save has begun without it, it is not made, and a file this thread is writing zeros over
-    for it is given up (removed at once; one the persist process is faulting in is finished). Why: saves that come before their files are ready (back to back, or while the
-    files wait for the staging buffers) wrote new files anyway, and the blank ones finished after them
-    were deleted by the next retirement, on the committing save's time: 0.43 s of a 0.86 s save over
+    for it is given up (removed at once; one the persist process is faulting in is finished). Why:
+    saves that come before their files are ready (back to back, or while the files wait for the
+    staging buffers) wrote new files anyway, and the blank ones finished after them were deleted by
+    the next retirement, on the committing save's time: 0.43 s of a 0.86 s save over
     retired files on an H200 host (4.83 GB, ``bench_persist.py``'s ``checkpointd_recycle``,
     ``benchmarks/RESULTS.md``, session 26), 0.65 s on the CPU VM.
     Retention's next retirement deletes what no save took, ``close()`` empties the bin.
