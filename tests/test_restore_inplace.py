@@ -256,3 +256,14 @@ def test_bulkcopy_helpers() -> None:
     dst = [torch.empty_like(x), torch.zeros(3, dtype=torch.float64)]
     bulkcopy.copy_pairs([(dst[0], x), (dst[1], torch.arange(3, dtype=torch.float32))], "bounce")
     assert torch.equal(dst[0], x) and dst[0].stride() == x.stride() and dst[1].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_small_pairs_are_packed_in_order_within_a_chunk() -> None:
+    """The bounce packs pairs below ``PACK_BELOW_BYTES`` into chunks: every pair once, in order, none over."""
+    sizes = [5, 700, 300, 1, 999, 1000, 2, 600, 400]
+    items = [(torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)) for n in sizes]
+    packs = bulkcopy._packs(items, 1000)
+    assert [p for pack in packs for p in pack] == items
+    assert all(sum(d.numel() for d, _ in pack) <= 1000 for pack in packs)
+    assert [[d.numel() for d, _ in pack] for pack in packs] == [[5, 700], [300, 1], [999], [1000], [2, 600], [400]]
+    assert bulkcopy._packs([], 1000) == []

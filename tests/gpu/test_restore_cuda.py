@@ -131,6 +131,24 @@ def test_bounce_copies_dtype_cast_and_layout_change() -> None:
     assert torch.equal(big_dst.cpu(), big_src)
 
 
+def test_bounce_packs_many_small_pairs_exactly(monkeypatch) -> None:
+    """Pairs below ``PACK_BELOW_BYTES`` share chunks (gathered, one DMA, scattered on the device): with
+    1 MiB chunks, 200 small tensors of mixed dtypes fill many more packs than the ring has chunks."""
+    monkeypatch.setenv(bulkcopy.CHUNK_ENV, "1")
+    g = torch.Generator().manual_seed(0)
+    srcs = []
+    for i in range(200):
+        n = int(torch.randint(1, 60_000, (1,), generator=g))
+        dtype = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)[i % 4]
+        srcs.append(torch.randint(0, 100, (n,), generator=g).to(dtype))
+    srcs.insert(50, torch.randn(3 << 20, generator=g))  # large pairs between them keep their own chunks
+    srcs.append(torch.randn(1 << 18, generator=g))  # exactly 1 MiB: not packed
+    dsts = [torch.full_like(s, 7, device="cuda") for s in srcs]
+    bulkcopy.copy_pairs(list(zip(dsts, srcs)), "bounce")
+    for d, s in zip(dsts, srcs):
+        assert d.dtype == s.dtype and torch.equal(d.cpu(), s)
+
+
 def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back() -> None:
     """``torchrun`` sets one intra-op thread per rank: the bounce raises it for its copies, then restores it."""
     before = torch.get_num_threads()
