@@ -267,27 +267,3 @@ def test_small_pairs_are_packed_in_order_within_a_chunk() -> None:
     assert all(sum(d.numel() for d, _ in pack) <= 1000 for pack in packs)
     assert [[d.numel() for d, _ in pack] for pack in packs] == [[5, 700], [300, 1], [999], [1000], [2, 600], [400]]
     assert bulkcopy._packs([], 1000) == []
-
-
-def test_pinned_pool_is_prepared_only_for_cuda_state(tmp_path, monkeypatch) -> None:
-    """A restore starts making the bounce pool while it reads, only where copies go to a GPU."""
-    calls = []
-    monkeypatch.setattr(bulkcopy, "prepare_bounce", calls.append)
-    model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights: above bulkcopy.AUTO_MIN_BYTES with its moments
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 2048)).sum().backward()
-    opt.step()
-    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
-        mgr.save(1)
-        mgr.wait()
-        mgr.restore(1)
-    assert calls == []  # CPU state: nothing bounces
-    entries = [Entry(name="m", obj=model, kind="module")]
-    assert restore_apply.cuda_device(entries) is None
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(restore_apply, "cuda_device", lambda entries: cuda)
-    restore_apply.prepare_copies(entries, bulkcopy.AUTO_MIN_BYTES)
-    restore_apply.prepare_copies(entries, bulkcopy.AUTO_MIN_BYTES - 1)  # too little to bounce
-    monkeypatch.setenv(bulkcopy.H2D_ENV, "serial")
-    restore_apply.prepare_copies(entries, bulkcopy.AUTO_MIN_BYTES)  # another strategy: no pool
-    assert calls == [cuda]

@@ -192,29 +192,6 @@ def _pool(device: torch.device) -> tuple[_DevicePool, ThreadPoolExecutor]:
         return _pools[key], _executor
 
 
-def prepare_bounce(device: torch.device) -> threading.Thread:
-    """Make ``device``'s bounce pool (its streams and pinned chunks) now, on a background thread.
-
-    Why: a resumed job's restore is the first in its process, and the pool is made on first use: four
-    ``cudaHostAlloc`` calls (about 0.5 s per GiB, ~30 ms for the default 64 MiB) and a stream per
-    thread, on the critical path between the checksum pass and the copies. Started when the restore
-    begins, they are made while the files are read. A bounce waits for the pool's lock, so it never
-    sees a half-made pool; failures here are left for the bounce to meet (and raise) itself.
-    """
-
-    def make() -> None:
-        try:
-            pool, _ = _pool(device)
-            with pool.lock:
-                pool.pinned_chunks()
-        except Exception:  # noqa: BLE001 - the bounce makes the pool itself and reports the error
-            pass
-
-    thread = threading.Thread(target=make, name="checkpointd-bounce-prepare", daemon=True)
-    thread.start()
-    return thread
-
-
 def release_pinned() -> None:
     """Give the bounce chunks' pinned memory back (``4 x chunk``, 64 MiB by default).
 
@@ -371,5 +348,4 @@ def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
         stream.synchronize()
 
 
-__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "prepare_bounce", "raw_copyable",
-           "release_pinned"]
+__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned"]

@@ -298,10 +298,7 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     """
     from .commit import read_committed_manifest
 
-    from .restore_apply import apply_entries, prepare_copies
-
     manifest = read_committed_manifest(store, step_dir)
-    prepare_copies(entries, sum(f.raw_size or f.size for f in manifest.files))  # made while the files are read
     if manifest.mode == "sharded":  # a distributed save, restored whole into this process
         from .distributed.assemble import assemble_full_values
 
@@ -311,5 +308,7 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
         contents = read_step(store, step_dir, manifest)
         values = values_by_entry(manifest, contents)
     check_compatible(entries, values, manifest.step)
+    from .restore_apply import apply_entries
+
     apply_entries(entries, values)  # bulk copies into the live tensors, then the per-entry rest
     return manifest, contents

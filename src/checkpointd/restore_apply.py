@@ -74,34 +74,6 @@ def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
         fn()
 
 
-def prepare_copies(entries: list[Entry], nbytes: int) -> None:
-    """Start making the bulk copies' pinned pool (:func:`checkpointd.bulkcopy.prepare_bounce`) when a
-    restore of ``nbytes`` stored bytes into these entries will bounce through it (CUDA state, enough bytes)."""
-    if nbytes < bulkcopy.AUTO_MIN_BYTES or bulkcopy.h2d_strategy() not in ("auto", "bounce"):
-        return
-    device = cuda_device(entries)
-    if device is not None:
-        bulkcopy.prepare_bounce(device)
-
-
-def cuda_device(entries: list[Entry]) -> torch.device | None:
-    """The device of the first CUDA parameter, buffer or tensor among ``entries``; None if there is none."""
-    for e in entries:
-        obj = e.obj
-        if e.kind == "module":
-            tensors: Any = unwrap_module(obj).parameters()
-        elif e.kind == "optimizer":
-            tensors = (p for g in obj.param_groups for p in g["params"])
-        elif e.kind == "tensor":
-            tensors = [obj]
-        else:
-            continue
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                return t.device
-    return None
-
-
 class _NotPlain(Exception):
     """This entry takes the per-entry path (the reason is logged at debug level)."""
 
@@ -274,4 +246,4 @@ def _place_state(p: torch.Tensor, v: torch.Tensor, key: Any, fused_or_capturable
     return torch.empty_strided(tuple(v.shape), strides, dtype=dtype, device=device), True
 
 
-__all__ = ["apply_entries", "cuda_device", "prepare_copies"]
+__all__ = ["apply_entries"]

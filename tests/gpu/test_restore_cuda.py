@@ -177,20 +177,3 @@ def test_bounce_pool_is_unpinned_once_a_save_has_committed(saved, monkeypatch) -
         mgr.save(2)
         mgr.wait()
         assert all(p.pinned is None for p in bulkcopy._pools.values()), "bounce chunks still pinned after the save"
-
-
-def test_restore_prepares_the_pinned_pool_while_it_reads(saved, monkeypatch) -> None:
-    """The bounce pool (pinned chunks, streams) is made beside the verified read, for the state's GPU."""
-    root, ref_model, ref_opt = saved
-    seen = []
-    real = bulkcopy.prepare_bounce
-    monkeypatch.setattr(bulkcopy, "prepare_bounce", lambda device: seen.append(device) or real(device))
-    bulkcopy.release_pinned()
-    model, opt = _trained()
-    _scramble(model, opt)
-    with CheckpointManager(root, {"model": model, "optim": opt}, compression=None) as mgr:
-        mgr.restore(1)  # (an earlier test saved step 2 here)
-    torch.cuda.synchronize()
-    _assert_same(ref_model, ref_opt, model, opt)
-    assert seen == [model[0].weight.device]
-    assert any(p.pinned is not None for p in bulkcopy._pools.values())
