@@ -266,9 +266,10 @@ PACK_BELOW_BYTES = 1 << 20
 Why: each chunk costs the copying thread tens of microseconds of Python and CUDA calls (slicing, the
 host copy, the DMA's launch, an event), whatever its size. The reference workload restores 320 tensors
 of which 224 are under 1 MiB (biases, norms, fused AdamW's ``step`` scalars). Packed, they cost one host
-gather (``torch._foreach_copy_``), one DMA and one fused device-side scatter per chunk. Measured on an
-H200 host (4.83 GB, tmpfs, eight restores each way, alternated; RESULTS.md, session 28): the bulk copy
-109-145 ms packed against 125-157 ms a chunk per pair, a restore 17 ms faster on average."""
+gather (``torch._foreach_copy_``), one DMA into device scratch (at most ``4 x chunk`` bytes, for the
+copy's duration) and one fused device-side scatter per chunk. Measured on an H200 host (4.83 GB, tmpfs,
+eight restores each way, alternated; RESULTS.md, session 28): the bulk copy 109-145 ms packed against
+125-157 ms a chunk per pair, a restore 17 ms faster on average."""
 
 
 class _Ring:
@@ -324,8 +325,9 @@ def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
         stream.wait_stream(torch.cuda.current_stream(pool.device))  # the training's queued work comes first
         ring = _Ring(chunks, stream)
         with torch.cuda.device(pool.device), torch.cuda.stream(stream):
-            if small:
-                landing = torch.empty((len(chunks), pool.chunk), dtype=torch.uint8, device=pool.device)
+            if small:  # device scratch for the packs: a chunk's worth for each pinned chunk at most
+                width = min(pool.chunk, sum(d.numel() for d, _ in small))
+                landing = torch.empty((len(chunks), width), dtype=torch.uint8, device=pool.device)
                 for pack in _packs(small, pool.chunk):
                     slot = ring.take()
                     offsets = [0]
