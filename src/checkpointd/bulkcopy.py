@@ -6,8 +6,9 @@ tensors), while pinning the whole read buffer costs about 0.4-0.5 s per GiB, mor
 itself. Here every host->device pair whose bytes can be copied as they are (same dtype, same strides,
 dense) is split into 16 MiB chunks; each chunk is copied into one of four reused pinned chunks by one
 ``copy_`` that torch spreads over its intra-op threads, then pushed to the GPU on a side stream, so
-the next chunk's host copy overlaps this chunk's DMA. Everything else (dtype casts, layout changes,
-CPU destinations) is a plain ``copy_``, exactly what ``load_state_dict`` does.
+the next chunk's host copy overlaps this chunk's DMA; pairs under 1 MiB share chunks
+(:data:`PACK_BELOW_BYTES`). Everything else (dtype casts, layout changes, CPU destinations) is a plain
+``copy_``, exactly what ``load_state_dict`` does.
 
 Why torch's intra-op threads and one Python thread, not a Python thread per chunk: every Python-level
 step of a chunk (the memcpy call, the launch, the event) drops and retakes the GIL, and with 16
