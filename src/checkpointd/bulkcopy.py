@@ -276,10 +276,9 @@ eight restores each way, alternated; RESULTS.md, session 28): the bulk copy 109-
 class _Ring:
     """The pinned chunks a bounce cycles through, each reused once the device has finished with it."""
 
-    def __init__(self, chunks: list[torch.Tensor], stream: Any) -> None:
-        self.chunks = chunks
+    def __init__(self, slots: int, stream: Any) -> None:
         self.stream = stream
-        self.events: list[torch.cuda.Event | None] = [None] * len(chunks)
+        self.events: list[torch.cuda.Event | None] = [None] * slots
         self.slot = 0
 
     def take(self) -> int:
@@ -294,7 +293,7 @@ class _Ring:
         event = torch.cuda.Event()
         event.record(self.stream)
         self.events[self.slot] = event
-        self.slot = (self.slot + 1) % len(self.chunks)
+        self.slot = (self.slot + 1) % len(self.events)
 
 
 def _packs(items: list[Pair], limit: int) -> list[list[Pair]]:
@@ -324,20 +323,20 @@ def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
         chunks = pool.pinned_chunks()
         stream = pool.streams[0]
         stream.wait_stream(torch.cuda.current_stream(pool.device))  # the training's queued work comes first
-        ring = _Ring(chunks, stream)
+        ring = _Ring(len(chunks), stream)
         with torch.cuda.device(pool.device), torch.cuda.stream(stream):
             if small:  # device scratch for the packs: a chunk's worth for each pinned chunk at most
                 width = min(pool.chunk, sum(d.numel() for d, _ in small))
                 landing = torch.empty((len(chunks), width), dtype=torch.uint8, device=pool.device)
                 for pack in _packs(small, pool.chunk):
                     slot = ring.take()
-                    offsets = [0]
+                    spans, end = [], 0
                     for dst, _ in pack:
-                        offsets.append(offsets[-1] + dst.numel())
-                    host = [chunks[slot][a:b] for a, b in zip(offsets, offsets[1:])]
-                    torch._foreach_copy_(host, [src for _, src in pack])
-                    landing[slot, : offsets[-1]].copy_(chunks[slot][: offsets[-1]], non_blocking=True)
-                    torch._foreach_copy_([dst for dst, _ in pack], [landing[slot, a:b] for a, b in zip(offsets, offsets[1:])])
+                        spans.append((end, end + dst.numel()))
+                        end += dst.numel()
+                    torch._foreach_copy_([chunks[slot][a:b] for a, b in spans], [src for _, src in pack])
+                    landing[slot, :end].copy_(chunks[slot][:end], non_blocking=True)
+                    torch._foreach_copy_([dst for dst, _ in pack], [landing[slot, a:b] for a, b in spans])
                     ring.queued()
             for dst, src in large:
                 n = dst.numel()
