@@ -36,6 +36,14 @@ and the live tensors zeroed:
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
 
+A timed restore that follows a manager's ``close()`` (each repetition of the ``checkpointd`` rows, the
+first of the phases) starts --settle-s (default 3 s on CUDA) after it: each restore_latest() prepares
+the staging arena for the saves that would follow (the state's size, page-locked in the background),
+and close() unpins and frees it; a restore begun right after that ran 20-100 ms slower (H200, 4.83 GB,
+five restores each: median 288 ms with 0.5 s between, 205 with 3 s, 190 with no arena made at all;
+RESULTS.md, session 29). A resumed job's restore follows no such teardown, so the rows wait it out
+rather than time it.
+
 Values are checked against checksums taken before saving ("ok" column). GB/s = state bytes / best time.
 Target (issue 6): restore_latest >= 0.7x raw.
 
@@ -91,6 +99,12 @@ def reset_live(model, opt, pristine: list[torch.Tensor], dev: C.Dev) -> None:
         for t, p in zip(C.state_tensors(model, opt), pristine):
             t.copy_(p, non_blocking=True)
     dev.sync()
+
+
+def settle(args) -> None:
+    """Wait ``--settle-s`` before a repetition that follows a manager's ``close()`` (see the docstring)."""
+    if args.settle_s > 0:
+        time.sleep(args.settle_s)
 
 
 def timed_restore(args, dev: C.Dev, root: str, model, opt, fn) -> list[float]:
@@ -263,6 +277,7 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
             mgr.wait()
         row["disk_bytes"] = C.dir_bytes(d)
         for _ in range(args.repeat):
+            settle(args)  # after the last manager's close (the save's, the previous repetition's)
             zero_live(C.state_tensors(model, opt), dev)
             C.drop_file_cache(root)
             C.collect()
@@ -361,6 +376,7 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
         with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
             store, entries = mgr._store, mgr._entries  # noqa: SLF001 - the manager's own store and registered state
             step_dir = layout.step_dir_name(1)
+            settle(args)  # after save_once's close (this manager, kept open, prepares no arena: no restore_latest)
             for _ in range(args.repeat):
                 zero_live(C.state_tensors(model, opt), dev)
                 C.drop_file_cache(root)
@@ -405,7 +421,9 @@ def summarise(res: dict) -> str:
     lines = [f"\n== restore: {i['device']}, torch {i['torch']}, {i['date']}, {i['cpu_count']} cores, CRC-32 by {i.get('crc32', '?')}",
              f"   state {w['state_bytes'] / 1e9:.3f} GB in {w['tensors']} tensors (D={w['D']} L={w['L']}), live on {w['state_on']}",
              "   GB/s = state bytes / best of --repeat, page cache dropped before each read; x raw = vs the best raw read of "
-             "the same dir; ok = values equal the saved ones; target: checkpointd >= 0.7x raw"]
+             "the same dir; ok = values equal the saved ones; target: checkpointd >= 0.7x raw",
+             f"   each manager-based repetition starts {res['args'].get('settle_s', 0) or 0:g} s after the previous manager's close "
+             "(its staging arena unpinned and freed; see the docstring)"]
     for d in res["dirs"]:
         lines.append(f"\n-- {d['dir']} ({d.get('fs')})")
         if d.get("skipped"):
@@ -465,6 +483,8 @@ def parse_args(argv=None):
                    help="comma list from " + ", ".join(ALL_METHODS) + " (default: " + ",".join(DEFAULT_METHODS) + ")")
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"))
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2))
+    p.add_argument("--settle-s", type=float, default=C.env_float("SETTLE_S", None),
+                   help="pause before each manager-based repetition (default 3 on CUDA, 0 on CPU; see the docstring)")
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
     C.add_prefault_arg(p)
     p.add_argument("--json", default=None)
@@ -477,6 +497,8 @@ def parse_args(argv=None):
     for m in a.methods:
         if m not in ALL_METHODS:
             p.error(f"unknown method {m!r}")
+    if a.settle_s is None:
+        a.settle_s = 0.0 if a.cpu or not torch.cuda.is_available() else 3.0
     return a
 
 
