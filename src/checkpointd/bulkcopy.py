@@ -43,6 +43,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from . import device_image
 from .lanes import local_ranks
 
 H2D_ENV = "CHECKPOINTD_RESTORE_H2D"
@@ -145,6 +146,11 @@ def copy_pairs(pairs: Sequence[Pair], strategy: str | None = None) -> None:
             how = strategy
             if how == "auto":
                 how = "bounce" if total >= AUTO_MIN_BYTES else "serial"
+            from_image, items = device_image.take_from_images(items, device)
+            if from_image:  # verified bytes already on the device (a restore that verified there)
+                _device_to_device(device, from_image)
+            if not items:
+                continue
             if how == "serial":
                 for d, s in items:
                     d.copy_(s)
@@ -259,6 +265,23 @@ def _pageable_h2d(device: torch.device, items: list[Pair]) -> None:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the CPU bytes ``src`` into the CUDA bytes ``dst`` (both 1-D uint8) through the pinned chunks;
+    finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it)."""
+    _bounced_h2d(dst.device, [(dst, src)])
+
+
+def _device_to_device(device: torch.device, items: list[Pair]) -> None:
+    """Copies between buffers of one device, on a side stream after the training's queued work; finished on return."""
+    pool, _ = _pool(device)
+    stream = pool.streams[0]
+    with pool.lock:
+        stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.device(pool.device), torch.cuda.stream(stream):
+            torch._foreach_copy_([dst for dst, _ in items], [src for _, src in items])  # fused launches
+        stream.synchronize()
 
 
 PACK_BELOW_BYTES = 1 << 20

@@ -160,7 +160,8 @@ def _map_file(fd: int, size: int) -> torch.Tensor:
 
 
 def read_file_verified(path: str, expected_size: int, where: str,
-                       meanwhile: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, int, str]:
+                       meanwhile: Callable[[torch.Tensor], None] | None = None,
+                       device_verify: Callable[[torch.Tensor], int | None] | None = None) -> tuple[torch.Tensor, int, str]:
     """``(buffer, size, checksum)``: the whole file in a uint8 tensor, read and checksummed in parallel.
 
     The caller compares size and checksum with the manifest before using the buffer. When the file's
@@ -171,6 +172,10 @@ def read_file_verified(path: str, expected_size: int, where: str,
     a mapped file while the checksum is computed (the mapping holds the file's bytes from the start),
     for a read file after the read. Whatever it derives is unverified until the caller has compared
     the checksum; it must not change the buffer or anything outside.
+
+    ``device_verify(buffer)``, for a mapped file only, may return the file's CRC-32 computed elsewhere
+    (:func:`checkpointd.device_image.verify`: on the GPU, from an upload of the mapping); the host
+    checksum is then skipped and ``meanwhile`` runs after it. None: the host checksums as usual.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -182,6 +187,11 @@ def read_file_verified(path: str, expected_size: int, where: str,
         ranges = [(a, min(size, a + step)) for a in range(0, size, step)]
         if mapped:
             buf = _map_file(fd, size)
+            crc = device_verify(buf) if device_verify is not None else None
+            if crc is not None:
+                if meanwhile is not None:
+                    meanwhile(buf)
+                return buf, size, format_crc(crc)
             view = byte_view(buf)
             crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges],
                                       meanwhile=None if meanwhile is None else functools.partial(meanwhile, buf))

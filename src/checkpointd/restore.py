@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import layout
+from . import device_image, layout
 from .streams import ReadStream, byte_view
 from .checksum import ChecksumReader
 from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
@@ -113,7 +113,9 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
 
     Every byte is checked against the manifest before the content is used; nothing is applied here. An
     uncompressed mapped file is parsed while its checksum is computed (restricted unpickling, tensors
-    viewing the mapping, nothing copied): that result is returned only once the checksum matched.
+    viewing the mapping, nothing copied): that result is returned only once the checksum matched. Within
+    a restore into CUDA tensors a mapped file may instead be uploaded and checksummed on the GPU
+    (:mod:`checkpointd.device_image`), its image registered for the apply only once the checksum matched.
     """
     from . import fastload
 
@@ -128,15 +130,25 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
         except Exception:  # noqa: BLE001 - the plain loader gives the precise error, after verification
             pass
 
+    def on_device(buf: Any) -> int | None:
+        """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.device_image`)."""
+        got = device_image.verify(buf)
+        if got is None:
+            return None
+        early["image"], crc = got
+        return crc
+
     plain = entry.codec in ("none", "", None)
     try:
         buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where,
-                                                          meanwhile=parse_early if plain else None)
+                                                          meanwhile=parse_early if plain else None,
+                                                          device_verify=on_device if plain else None)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"{where} was truncated while being read: {exc}") from exc
-    check_file(where, entry, size, checksum)  # before anything parsed is used
+    check_file(where, entry, size, checksum)  # before anything parsed is used, or the image is registered
+    device_image.register(early.pop("image", None))
     if "content" in early:
         return early["content"]
     if not plain:  # (an uncompressed file was parsed above; if that failed, only the plain loader is left)
@@ -304,11 +316,30 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
 
         contents = read_step(store, step_dir, manifest, rank=None)
         values = assemble_full_values(manifest, contents)
-    else:
+        check_compatible(entries, values, manifest.step)
+        _apply(entries, values)
+        return manifest, contents
+    # into CUDA tensors, mapped files may be verified on the GPU (their values then copied from there)
+    with device_image.verifying_on(device_image.target_device([e.obj for e in entries])):
         contents = read_step(store, step_dir, manifest)
         values = values_by_entry(manifest, contents)
-    check_compatible(entries, values, manifest.step)
+        check_compatible(entries, values, manifest.step)
+        _apply(entries, values)
+    return manifest, contents
+
+
+def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
+    """Bulk copies into the live tensors, then the per-entry rest (:mod:`checkpointd.restore_apply`).
+
+    Out of device memory with device images held: once more without them. Live tensors change only
+    after every entry was planned (the planning allocates), and a second apply writes the same bytes.
+    """
     from .restore_apply import apply_entries
 
-    apply_entries(entries, values)  # bulk copies into the live tensors, then the per-entry rest
-    return manifest, contents
+    try:
+        apply_entries(entries, values)
+    except torch.OutOfMemoryError:
+        if not device_image.drop_all():
+            raise
+        logger.info("out of device memory with the restore's device images held: applying again without them")
+        apply_entries(entries, values)

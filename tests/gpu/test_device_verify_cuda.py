@@ -1,0 +1,133 @@
+"""Restore verified on the GPU (``device_image`` + ``device_crc``): bit-exact, corruption caught, fallbacks.
+
+The saved checkpoint is mapped (``CHECKPOINTD_RESTORE_MMAP=1``) and every file is verified on the device
+(``MIN_BYTES`` lowered): uploaded through the pinned bounce chunks, checksummed by the Triton kernel,
+applied device to device. Skipped where CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, device_crc, device_image, fastload
+from checkpointd.errors import CorruptCheckpointError
+
+from test_restore_cuda import _assert_same, _model, _scramble, _trained
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setattr(device_image, "MIN_BYTES", 1)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    import copy
+
+    model, opt = _trained()
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    return tmp_path, ref_model, ref_opt
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_device_crc_equals_zlib(use_triton) -> None:
+    if use_triton and not device_crc.triton_available():
+        pytest.skip("Triton is not installed")
+    rng = np.random.default_rng(0)
+    for n in (0, 7, 4096, 4096 * 5 + 3, 1 << 20, (37 << 20) + 4093):
+        if not use_triton and n > (1 << 20):
+            continue  # the torch-ops lanes launch ~10 kernels per word column
+        host = rng.integers(0, 256, n, dtype=np.uint8)
+        buf = torch.from_numpy(host).cuda()
+        assert device_crc.crc32_of(buf, use_triton=use_triton) == zlib.crc32(host.tobytes()), n
+
+
+def test_restore_verified_on_device_is_exact_and_in_place(saved, on_device) -> None:
+    assert device_crc.triton_available(), "the GPU host runs these with Triton"
+    root, ref_model, ref_opt = saved
+    model, opt = _trained()
+    _scramble(model, opt)
+    held = {id(p): dict(opt.state[p]) for p in model.parameters()}
+    before = dict(device_image.stats)
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression=None) as mgr:
+        assert mgr.restore_latest() == 1
+    torch.cuda.synchronize()
+    assert device_image.stats["verified"] - before["verified"] >= 1
+    assert device_image.stats["copies"] - before["copies"] > 10  # the tensors came from the images
+    assert device_image.stats["failed"] == before["failed"] and device_image.stats["no_room"] == before["no_room"]
+    _assert_same(ref_model, ref_opt, model, opt)
+    for p in model.parameters():
+        for key, t in held[id(p)].items():
+            assert opt.state[p][key] is t, f"{key} was replaced, not written in place"
+    assert not any(r.images for r in device_image._active), "images outlived the restore"
+
+
+def test_restore_into_fresh_optimizer_verified_on_device(saved, on_device) -> None:
+    root, ref_model, ref_opt = saved
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    before = device_image.stats["verified"]
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression=None) as mgr:
+        assert mgr.restore_latest() == 1
+    torch.cuda.synchronize()
+    assert device_image.stats["verified"] > before
+    _assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_a_corrupt_file_fails_on_device_and_leaves_the_live_state(saved, on_device) -> None:
+    root, _, _ = saved
+    step = next(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step"))
+    victim = max((f for f in step.iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    model, opt = _trained()
+    _scramble(model, opt)
+    live = [t.clone() for t in model.state_dict().values()]
+    before = device_image.stats["verified"]
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression=None) as mgr:
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(1)
+    assert device_image.stats["verified"] > before  # it was checked on the device
+    for a, b in zip(live, model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_no_room_on_the_device_falls_back_to_the_host_checksum(saved, on_device, monkeypatch) -> None:
+    root, ref_model, ref_opt = saved
+    monkeypatch.setattr(device_image, "HEADROOM_BYTES", 1 << 50)
+    model, opt = _trained()
+    _scramble(model, opt)
+    before = dict(device_image.stats)
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression=None) as mgr:
+        assert mgr.restore_latest() == 1
+    assert device_image.stats["no_room"] > before["no_room"]
+    assert device_image.stats["verified"] == before["verified"]
+    _assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_a_failing_device_checksum_falls_back_to_the_host(saved, on_device, monkeypatch) -> None:
+    root, ref_model, ref_opt = saved
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel failed (test)")
+
+    monkeypatch.setattr(device_crc, "crc32_of", broken)
+    model, opt = _trained()
+    _scramble(model, opt)
+    before = dict(device_image.stats)
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression=None) as mgr:
+        assert mgr.restore_latest() == 1
+    assert device_image.stats["failed"] > before["failed"]
+    _assert_same(ref_model, ref_opt, model, opt)
