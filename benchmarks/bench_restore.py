@@ -32,6 +32,9 @@ and the live tensors zeroed:
   apply_entries``: the copies into the live tensors, through pinned bounce chunks on CUDA) and their sum
   per repetition; on CUDA also "h2d from pinned", the same bytes copied into the live tensors from
   page-locked host copies (the DMA alone, the copy's floor);
+- checkpointd_deviceverify: the uncompressed restore with mapped files uploaded and checksummed on the
+  GPU (CHECKPOINTD_RESTORE_VERIFY=device, ``checkpointd.device_image``; the default checksums on the
+  host), to compare the two in one run (its first repetition compiles the Triton kernel);
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -70,8 +73,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
-               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
-STRATEGY_METHODS = {"checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
+               "checkpointd_deviceverify", "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
+STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+                    "checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
                     "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
                     "checkpointd_legacy": {"CHECKPOINTD_RESTORE_H2D": "legacy", "CHECKPOINTD_RESTORE_MMAP": "0"},
@@ -370,6 +374,16 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
         rows[0]["error"] = ckd
         return rows[:1]
     from checkpointd import commit, layout, restore, restore_apply  # noqa: PLC0415
+    try:
+        from checkpointd import device_image  # noqa: PLC0415
+
+        def verifying(entries):
+            return device_image.verifying_on(device_image.target_device([e.obj for e in entries]))
+    except ImportError:  # checkpointd before session 29: the host checksums every file
+        import contextlib
+
+        def verifying(entries):
+            return contextlib.nullcontext()
     d = os.path.join(root, "checkpointd_phases")
     try:
         save_once(d, dev, model, opt, pristine)
@@ -381,17 +395,19 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
                 zero_live(C.state_tensors(model, opt), dev)
                 C.drop_file_cache(root)
                 C.collect()
-                t0 = time.perf_counter()
-                manifest = commit.read_committed_manifest(store, step_dir)
-                contents = restore.read_step(store, step_dir, manifest)
-                t1 = time.perf_counter()
-                values = restore.values_by_entry(manifest, contents)
-                restore.check_compatible(entries, values, manifest.step)
-                dev.sync()
-                t2 = time.perf_counter()
-                restore_apply.apply_entries(entries, values)
-                dev.sync()
-                t3 = time.perf_counter()
+                with verifying(entries):  # as restore_latest (on the GPU with CHECKPOINTD_RESTORE_VERIFY=device)
+                    t0 = time.perf_counter()
+                    manifest = commit.read_committed_manifest(store, step_dir)
+                    contents = restore.read_step(store, step_dir, manifest)
+                    dev.sync()
+                    t1 = time.perf_counter()
+                    values = restore.values_by_entry(manifest, contents)
+                    restore.check_compatible(entries, values, manifest.step)
+                    dev.sync()
+                    t2 = time.perf_counter()
+                    restore_apply.apply_entries(entries, values)
+                    dev.sync()
+                    t3 = time.perf_counter()
                 for row, secs in zip(rows, (t1 - t0, t3 - t2, (t1 - t0) + (t3 - t2))):
                     row["times_s"].append(secs)
                 del contents, values
