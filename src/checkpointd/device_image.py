@@ -23,8 +23,7 @@ a CPU tensor) takes the host path from the mapping.
 Why not the default: the kernel's first use in a process costs 0.5 s with Triton's cache warm and
 1.2 s cold, on top of importing Triton (0.15-0.26 s), so a resumed job's restore (the only one in its
 process) took 0.71-0.84 s against ~0.3 s on the host (H200, 4.83 GB). In a process that has restored
-before, it measured 144-194 ms against 183-216 on the host in the same run (RESULTS.md, session 29).
-:func:`warm_up` compiles the kernel ahead.
+before, it measured 144-222 ms against 183-272 on the host in the same runs (RESULTS.md, session 29).
 """
 
 from __future__ import annotations
@@ -259,27 +258,5 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     return found, rest
 
 
-_warm_lock = threading.Lock()
-_warmed: set[Any] = set()
-
-
-def warm_up(device: torch.device) -> None:
-    """Compile the device checksum's kernel for ``device`` now (once a process), where it would be used."""
-    if device.type != "cuda" or mode() == "host":
-        return
-    from . import device_crc
-
-    if not device_crc.triton_available():
-        return
-    with _warm_lock:
-        if device in _warmed:
-            return
-        _warmed.add(device)
-    try:
-        device_crc.crc32_of(torch.zeros(device_crc.LANE_BYTES, dtype=torch.uint8, device=device))
-    except Exception as exc:  # noqa: BLE001 - the restore will fall back to the host checksum
-        logger.debug("device checksum warm-up failed on %s: %r", device, exc)
-
-
 __all__ = ["DeviceImage", "VERIFY_ENV", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
-           "target_device", "verify", "verifying_on", "warm_up"]
+           "target_device", "verify", "verifying_on"]
