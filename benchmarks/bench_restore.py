@@ -82,7 +82,8 @@ STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
 """Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
 fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
-DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases"]
+DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_deviceverify", "checkpointd_zstd", "checkpointd_cold",
+                   "checkpointd_phases"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:

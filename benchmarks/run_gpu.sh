@@ -113,15 +113,16 @@ stage stall $(( 420 * SCALE )) benchmarks/bench_stall.py --state-gb "$STATE_GB" 
 stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
-# of 2 leaves one warm sample, and one slow sample decided a whole row (session 14)
-stage restore_tmpfs $(( 240 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+# of 2 leaves one warm sample, and one slow sample decided a whole row (session 14); each manager-based
+# repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the longer limits
+stage restore_tmpfs $(( 300 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk $(( 420 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
-    stage restore_disk $(( 300 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
+    stage restore_disk $(( 360 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 # Two GPUs (issue 6: the per-rank stall about one GPU's with half the state): the reference on one GPU
