@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .crc import crc32, crc32_combine, crc32_combine_py
+from .crc import _multmodp, _x2nmodp, crc32, crc32_combine, crc32_combine_py
 
 LANE_BYTES = 4096
 """Bytes a GPU thread checksums; 4.83 GB make 1.18M lanes, 21 combining rounds."""
@@ -62,18 +62,10 @@ def _apply(images: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def _zero_bytes_map(nbytes: int) -> np.ndarray:
-    """Images of the 32 unit vectors under "feed ``nbytes`` zero bytes" (a CRC state update)."""
-    unit = (np.uint32(1) << np.arange(32, dtype=np.uint32)).astype(np.uint32)
-    one = unit.copy()
-    for _ in range(8):
-        one = np.where(one & np.uint32(1), (one >> np.uint32(1)) ^ np.uint32(_POLY), one >> np.uint32(1)).astype(np.uint32)
-    result, power, n = unit.copy(), one, nbytes
-    while n:  # square and multiply
-        if n & 1:
-            result = _apply(power, result)
-        power = _apply(power, power)
-        n >>= 1
-    return result
+    """Images of the 32 unit vectors under "feed ``nbytes`` zero bytes": multiplication by ``x^(8 nbytes)``
+    modulo the polynomial, as :func:`checkpointd.crc.crc32_combine_py` shifts a CRC."""
+    power = _x2nmodp(nbytes, 3)
+    return np.array([_multmodp(power, 1 << j) for j in range(32)], dtype=np.uint32)
 
 
 def _byte_tables(images: np.ndarray) -> np.ndarray:

@@ -180,7 +180,7 @@ def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
         else:  # a CPU "device" (tests)
             data.copy_(buf)
         tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device
-        crc = device_crc.crc32_of(data, host_tail=tail, use_triton=data.device.type == "cuda" and device_crc.triton_available())
+        crc = device_crc.crc32_of(data, host_tail=tail)  # Triton on CUDA (``_usable`` made sure of it)
     except Exception as exc:  # noqa: BLE001 - no pinned memory, a Triton failure: the host pass needs none of it
         logger.warning("restore: verifying a %d-byte file on %s failed (%r); checksumming it on the host", n, data.device, exc)
         with _lock:
