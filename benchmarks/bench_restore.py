@@ -32,9 +32,11 @@ and the live tensors zeroed:
   apply_entries``: the copies into the live tensors, through pinned bounce chunks on CUDA) and their sum
   per repetition; on CUDA also "h2d from pinned", the same bytes copied into the live tensors from
   page-locked host copies (the DMA alone, the copy's floor);
-- checkpointd_deviceverify: the uncompressed restore with mapped files uploaded and checksummed on the
-  GPU (CHECKPOINTD_RESTORE_VERIFY=device, ``checkpointd.device_image``; the default checksums on the
-  host), to compare the two in one run (its first repetition compiles the Triton kernel);
+- checkpointd_hostverify / checkpointd_deviceverify: the uncompressed restore with every file
+  checksummed on the host (CHECKPOINTD_RESTORE_VERIFY=host, the behaviour before session 30) / with the
+  library's default said explicitly (=device: mapped files uploaded and checksummed on the GPU,
+  ``checkpointd.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
+  checkpointd_cold_deviceverify: the same as fresh processes (``checkpointd_cold``);
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -73,8 +75,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
-               "checkpointd_deviceverify", "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
+               "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
+               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
 STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+                    "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
+                    "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+                    "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                     "checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
                     "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
                     "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
@@ -82,8 +88,8 @@ STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
 """Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
 fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
-DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_deviceverify", "checkpointd_zstd", "checkpointd_cold",
-                   "checkpointd_phases"]
+DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd", "checkpointd_cold",
+                   "checkpointd_cold_hostverify", "checkpointd_phases"]
 
 
 def zero_live(ts: list[torch.Tensor], dev: C.Dev) -> None:
@@ -172,8 +178,8 @@ def bench_dir(out: dict, root: str, args, dev: C.Dev, model, opt, pristine: list
         if m == "checkpointd_phases":
             for row in bench_phases(root, args, dev, model, opt, pristine, ref):
                 add(row)
-        elif m == "checkpointd_cold":
-            add(bench_cold(root, args, dev, model, opt, pristine, ref))
+        elif m.startswith("checkpointd_cold"):
+            add(bench_cold(root, m, args, dev, model, opt, pristine, ref))
         else:
             add(bench_ckd(root, m, args, dev, model, opt, pristine, ref))
     shutil.rmtree(root, ignore_errors=True)
@@ -318,10 +324,13 @@ def save_once(d: str, dev: C.Dev, model, opt, pristine) -> None:
         mgr.wait()
 
 
-def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
-    """``checkpointd_cold``: each repetition's restore_latest() in a fresh process (see the docstring)."""
-    row: dict[str, Any] = {"method": "checkpointd restore_latest, fresh process", "kind": "checkpointd_cold",
-                           "times_s": [], "notes": [], "activated": []}
+def bench_cold(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
+    """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` variants): each repetition's
+    restore_latest() in a fresh process (see the docstring)."""
+    knobs = STRATEGY_METHODS.get(m, {})
+    row: dict[str, Any] = {"method": f"{m.replace('_cold', '')} restore_latest, fresh process", "kind": m,
+                           "times_s": [], "notes": [" ".join(f"{k}={v}" for k, v in knobs.items())] if knobs else [],
+                           "activated": []}
     d = os.path.join(root, "checkpointd_cold")
     try:
         save_once(d, dev, model, opt, pristine)
@@ -329,7 +338,8 @@ def bench_cold(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
         oks = []
         for _ in range(args.repeat):
             C.drop_file_cache(root)
-            got = fresh_process(["--cold-child", d, "--D", str(width), "--L", str(depth)], cpu=not dev.cuda)
+            with C.env_set(knobs):  # the child inherits them
+                got = fresh_process(["--cold-child", d, "--D", str(width), "--L", str(depth)], cpu=not dev.cuda)
             row["times_s"].append(got["restore_s"])
             row["activated"].append(got["activated"])
             row.setdefault("setup_s", []).append(got["init_s"])
@@ -477,7 +487,7 @@ def summarise(res: dict) -> str:
 def cold_notes(r: dict, raw_cold: dict | None) -> list[str]:
     """A fresh-process row's pages activated per read and, for checkpointd's, its ratio to ``raw_cold``."""
     out = []
-    if r["kind"] == "checkpointd_cold" and raw_cold and r.get("times_s"):
+    if r["kind"].startswith("checkpointd_cold") and raw_cold and r.get("times_s"):
         first = raw_cold["times_s"][0] / r["times_s"][0]
         best = min(raw_cold["times_s"]) / min(r["times_s"])
         out.append(f"x raw fresh process: first {first:.2f}, best {best:.2f}")

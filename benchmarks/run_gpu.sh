@@ -45,7 +45,7 @@ STATE_GB=${STATE_GB:-5}
 # BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
-BUDGET_S=${BUDGET_S:-$(( 1900 * SCALE ))}
+BUDGET_S=${BUDGET_S:-$(( 2000 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
@@ -114,15 +114,16 @@ stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
 # of 2 leaves one warm sample, and one slow sample decided a whole row (session 14); each manager-based
-# repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the longer limits
-stage restore_tmpfs $(( 300 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+# repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the longer limits;
+# session 30 added the host-verified fresh-process row (checkpointd_cold_hostverify, ~12 s a repetition)
+stage restore_tmpfs $(( 360 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk $(( 420 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
-    stage restore_disk $(( 360 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
+    stage restore_disk $(( 420 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 # Two GPUs (issue 6: the per-rank stall about one GPU's with half the state): the reference on one GPU

@@ -111,6 +111,9 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     assert both == pytest.approx(read + apply)
     cold = rows["checkpointd restore_latest, fresh process"]  # values checked by the parent
     assert "error" not in cold and cold["ok"] and len(cold["times_s"]) == 1 and cold["setup_s"][0] > 0, cold
+    for m in ("checkpointd_hostverify restore_latest", "checkpointd_hostverify restore_latest, fresh process"):
+        r = rows[m]  # the host checksum beside the default, in-process and in a fresh process (env passed on)
+        assert "error" not in r and r["ok"] and "CHECKPOINTD_RESTORE_VERIFY=host" in r["notes"], r
     raw_cold = next(r for m, r in rows.items() if m.endswith("thr, fresh process"))  # crcs checked by the parent
     assert "error" not in raw_cold and raw_cold["ok"] and len(raw_cold["times_s"]) == 1, raw_cold
     if sys.platform == "linux":  # /proc/vmstat's counter read around each fresh read

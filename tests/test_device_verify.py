@@ -1,6 +1,6 @@
 """Verify on the device (``device_crc``, ``device_image``): the arithmetic and the bookkeeping, on the CPU.
 
-The GPU path (Triton kernel, upload through pinned chunks, device-to-device apply) runs in
+The GPU path (the NVRTC-built CUDA kernels, upload through pinned chunks, device-to-device apply) runs in
 ``tests/gpu/test_device_verify_cuda.py``. Here the CRC runs as torch ops on CPU tensors, and an image's
 "device" is the CPU (the upload a plain copy), which exercises what must hold anywhere: the CRC equals
 zlib's, a file verified this way is usable only once its checksum matched, it is found by the host
@@ -25,6 +25,35 @@ CPU = torch.device("cpu")
 def test_crc_by_lanes_and_a_tree_equals_zlib(n) -> None:
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data)) == zlib.crc32(data.tobytes())
+
+
+def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
+    """What ``device_crc.KERNEL_SOURCE``'s two kernels compute, step for step, from the very tables
+    ``_raw_cuda`` hands them: the lanes' slice-by-4 loop, then one combining round per level."""
+    levels = (lanes - 1).bit_length()
+    slice_tab, combine_tab = device_crc._tables_int32(levels, CPU)
+    assert slice_tab.dtype == combine_tab.dtype == torch.int32 and slice_tab.shape == (1024,)
+    assert combine_tab.shape == (levels, 1024)
+    t = slice_tab.numpy().view(np.uint32).reshape(4, 256)  # the kernel's __shared__ t[4][256]
+    words = body.numpy().view(np.uint32).reshape(lanes, device_crc.LANE_BYTES // 4)
+    c = np.zeros(lanes, dtype=np.uint32)
+    for k in range(words.shape[1]):
+        x = c ^ words[:, k]
+        c = t[3][x & 255] ^ t[2][(x >> 8) & 255] ^ t[1][(x >> 16) & 255] ^ t[0][x >> 24]
+    c = np.concatenate([np.zeros((1 << levels) - lanes, dtype=np.uint32), c])  # the leading zero lanes
+    for r in range(levels):
+        tab = combine_tab[r].numpy().view(np.uint32)
+        a, b = c[0::2], c[1::2]
+        c = tab[a & 255] ^ tab[256 + ((a >> 8) & 255)] ^ tab[512 + ((a >> 16) & 255)] ^ tab[768 + (a >> 24)] ^ b
+    return int(c[0])
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 5, 8, 13])
+def test_the_cuda_kernels_arithmetic_and_tables_equal_zlib(monkeypatch, lanes) -> None:
+    """The CUDA path's table layout and rounds, run in numpy (the kernels themselves: tests/gpu)."""
+    monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)
+    data = np.random.default_rng(lanes).integers(0, 256, lanes * 4096 + 77, dtype=np.uint8)
+    assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
 
 
 def test_crc_takes_the_tail_from_the_host_and_checks_its_length() -> None:
@@ -127,18 +156,21 @@ def test_a_file_that_fails_its_checksum_leaves_no_image(tmp_path, mapped) -> Non
         assert len(data) not in registered  # ... and never registered (the other files' images may be)
 
 
-def test_the_default_and_no_restore_in_progress_verify_nothing_on_a_device(tmp_path, monkeypatch, mapped) -> None:
+def test_host_mode_and_no_restore_in_progress_verify_nothing_on_a_device(tmp_path, monkeypatch, mapped) -> None:
     store, step_dir, manifest = _saved(tmp_path)
     before = device_image.stats["verified"]
+    monkeypatch.delenv(device_image.VERIFY_ENV, raising=False)
+    assert device_image.mode() == "device"  # the default
     restore.read_step(store, step_dir, manifest)  # no restore into device tensors (e.g. checkpointd.load)
-    for value in ("host", None):  # the default is the host
-        if value is None:
-            monkeypatch.delenv(device_image.VERIFY_ENV)
-        else:
-            monkeypatch.setenv(device_image.VERIFY_ENV, value)
-        with device_image.verifying_on(CPU):
-            restore.read_step(store, step_dir, manifest)
     assert device_image.stats["verified"] == before
+    monkeypatch.setenv(device_image.VERIFY_ENV, "host")
+    with device_image.verifying_on(CPU):
+        restore.read_step(store, step_dir, manifest)
+    assert device_image.stats["verified"] == before
+    monkeypatch.delenv(device_image.VERIFY_ENV)
+    with device_image.verifying_on(CPU):  # the default verifies on the device
+        restore.read_step(store, step_dir, manifest)
+    assert device_image.stats["verified"] > before
     monkeypatch.setenv(device_image.VERIFY_ENV, "gpu")
     with pytest.raises(ValueError, match="CHECKPOINTD_RESTORE_VERIFY"):
         device_image.mode()

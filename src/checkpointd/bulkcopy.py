@@ -269,7 +269,12 @@ def _pageable_h2d(device: torch.device, items: list[Pair]) -> None:
 
 def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy the CPU bytes ``src`` into the CUDA bytes ``dst`` (both 1-D uint8) through the pinned chunks;
-    finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it)."""
+    finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it).
+
+    The copy threads fault a fresh mapping's pages in as they read. Mapping them ahead on other threads
+    (``MADV_POPULATE_READ``, every chunk queued at once) made a restore of 4.83 GB slower on H200 hosts
+    in every variant tried: best 221 and 204 ms with 2 and 4 threads against 160 without, 213 with 16
+    against 181 (RESULTS.md, session 30), presumably the populating threads competing with the copy's."""
     _bounced_h2d(dst.device, [(dst, src)])
 
 

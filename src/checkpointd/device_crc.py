@@ -3,25 +3,27 @@
 Why: a verify-first restore used to pass over host memory twice, one pass after the other: the
 checksum of each mapped file on the CPU (page population ~23 ms + CRC-32 ~47 ms for 4.83 GB on a
 16-core H200 host), then the copy into pinned chunks and their DMA (~90 ms). Uploading the file first
-and checksumming the upload on the GPU drops the CPU pass: the same 4.83 GB take 8.3-8.5 ms here
-(RESULTS.md, session 29), and the bytes checked are exactly the bytes the live tensors are filled from.
+and checksumming the upload on the GPU drops the CPU pass: the same 4.83 GB take 3.3 ms on an H200
+(RESULTS.md, session 30), and the bytes checked are exactly the bytes the live tensors are filled from.
 
 How: the bytes are cut into lanes of :data:`LANE_BYTES`; one GPU thread computes a lane's CRC from a
-zero state (slice-by-4 tables, a Triton kernel; torch ops where Triton is missing, ~20x slower, used by
-the CPU tests). CRC-32 is linear over GF(2): with the lane CRCs ``c(A)``, ``c(B)`` of adjacent ranges,
-``c(A + B) = shift_len(B)(c(A)) ^ c(B)``, where the shift (feeding zero bytes) is a fixed 32x32 bit
-matrix applied as four 256-entry tables. Zero lanes are prepended up to a power of two (leading zero
-bytes leave a zero-started CRC unchanged), so the lanes are combined pairwise in ``log2(lanes)`` rounds
-of one table set each, on the GPU. zlib's conditioning (start at ``0xFFFFFFFF``, invert at the end) and
-the bytes past the last whole lane (read on the host) are applied last, on the CPU.
+zero state (slice-by-4 tables in shared memory, 16-byte loads: ``crc32_lanes`` in :data:`KERNEL_SOURCE`,
+built by :mod:`checkpointd.cuda_rtc`; torch ops for the CPU tests and unaligned buffers, ~50x slower).
+CRC-32 is linear over GF(2): with the lane CRCs ``c(A)``, ``c(B)`` of adjacent ranges, ``c(A + B) =
+shift_len(B)(c(A)) ^ c(B)``, where the shift (feeding zero bytes) is a fixed 32x32 bit matrix applied as
+four 256-entry tables. Zero lanes are prepended up to a power of two (leading zero bytes leave a
+zero-started CRC unchanged), so the lanes are combined pairwise in ``log2(lanes)`` rounds of one table
+set each, on the GPU (``crc32_combine_round``, one launch a round). zlib's conditioning (start at
+``0xFFFFFFFF``, invert at the end) and the bytes past the last whole lane (read on the host) are applied
+last, on the CPU.
 
-Used by restores that verify on the GPU (opt-in: :mod:`checkpointd.device_image`).
+Used by restores that verify on the GPU (:mod:`checkpointd.device_image`, the default into CUDA tensors).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+import logging
 import threading
 from typing import Any
 
@@ -30,10 +32,10 @@ import torch
 
 from .crc import _multmodp, _x2nmodp, crc32, crc32_combine, crc32_combine_py
 
+logger = logging.getLogger("checkpointd")
+
 LANE_BYTES = 4096
 """Bytes a GPU thread checksums; 4.83 GB make 1.18M lanes, 21 combining rounds."""
-BLOCK = 128
-"""Lanes a Triton program runs (64 took 14.7 ms for 4.83 GB on an H200, 128 8.3 ms, 256 23.4 ms)."""
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 
 
@@ -106,62 +108,136 @@ def _lanes_torch(words: torch.Tensor) -> torch.Tensor:
     return c
 
 
-_kernel: Any = None
-_kernel_lock = threading.Lock()
+KERNEL_SOURCE = r"""
+#define LANE_BYTES %(lane)d
+struct alignas(16) u4 { unsigned int x, y, z, w; };
+
+__device__ __forceinline__ unsigned int step(unsigned int c, unsigned int w, const unsigned int (*t)[256]) {
+    c ^= w;  /* slice-by-4: the four bytes of the word at once */
+    return t[3][c & 255] ^ t[2][(c >> 8) & 255] ^ t[1][(c >> 16) & 255] ^ t[0][c >> 24];
+}
+
+/* out[lane] = zero-started CRC of bytes [lane * LANE_BYTES, (lane + 1) * LANE_BYTES) of data (16-byte aligned) */
+extern "C" __global__ void crc32_lanes(const u4* __restrict__ data, unsigned int* __restrict__ out,
+                                       const unsigned int* __restrict__ tab, long long n_lanes) {
+    __shared__ unsigned int t[4][256];
+    for (int i = threadIdx.x; i < 1024; i += blockDim.x) t[i >> 8][i & 255] = tab[i];
+    __syncthreads();
+    long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (lane >= n_lanes) return;
+    const u4* p = data + lane * (LANE_BYTES / 16);
+    unsigned int c = 0;
+#pragma unroll 4
+    for (int k = 0; k < LANE_BYTES / 16; ++k) {
+        u4 v = p[k];
+        c = step(c, v.x, t);
+        c = step(c, v.y, t);
+        c = step(c, v.z, t);
+        c = step(c, v.w, t);
+    }
+    out[lane] = c;
+}
+
+/* out[i] = shift(in[2i]) ^ in[2i + 1]: tab holds this round's shift past in[2i + 1]'s bytes as four byte tables */
+extern "C" __global__ void crc32_combine_round(const unsigned int* __restrict__ in, unsigned int* __restrict__ out,
+                                               const unsigned int* __restrict__ tab, long long n_out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_out) return;
+    unsigned int a = in[2 * i], b = in[2 * i + 1];
+    out[i] = tab[a & 255] ^ tab[256 + ((a >> 8) & 255)] ^ tab[512 + ((a >> 16) & 255)] ^ tab[768 + (a >> 24)] ^ b;
+}
+""" % {"lane": LANE_BYTES}
+THREADS = 128
+"""Threads (lanes) a block of the lane kernel runs."""
+
+_unavailable: dict[int, str] = {}
+_unavailable_lock = threading.Lock()
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernel can run (Triton importable; it compiles for the GPU on first use)."""
+def _cuda_kernels(device: torch.device) -> dict[str, Any]:
+    from . import cuda_rtc
+
+    return cuda_rtc.kernels(KERNEL_SOURCE, ["crc32_lanes", "crc32_combine_round"], device)
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether the CUDA kernels can run on ``device`` (built or loaded on first call; a failure is
+    remembered, and logged once)."""
+    from .cuda_rtc import KernelUnavailable
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _unavailable_lock:
+        if index in _unavailable:
+            return False
     try:
-        importlib.import_module("triton.language")
-    except Exception:  # noqa: BLE001 - missing, or broken for this platform
+        _cuda_kernels(torch.device("cuda", index))
+    except KernelUnavailable as exc:
+        with _unavailable_lock:
+            _unavailable[index] = str(exc)
+        logger.info("no CRC-32 kernel for cuda:%d (%s)", index, exc)
         return False
     return True
 
 
-def _triton_kernel() -> Any:
-    global _kernel
-    with _kernel_lock:
-        if _kernel is None:
-            import triton
-            import triton.language as tl
-
-            @triton.jit
-            def crc_lanes(data, out, tab, n_lanes, WORDS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-                lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-                mask = lanes < n_lanes
-                base = lanes.to(tl.int64) * WORDS
-                c = tl.zeros([BLOCK], dtype=tl.uint32)
-                for k in range(WORDS):
-                    w = tl.load(data + base + k, mask=mask, other=0).to(tl.uint32, bitcast=True)
-                    x = c ^ w
-                    i0 = (x & 255).to(tl.int32)
-                    i1 = ((x >> 8) & 255).to(tl.int32)
-                    i2 = ((x >> 16) & 255).to(tl.int32)
-                    i3 = (x >> 24).to(tl.int32)
-                    c = (tl.load(tab + 768 + i0).to(tl.uint32, bitcast=True) ^ tl.load(tab + 512 + i1).to(tl.uint32, bitcast=True)
-                         ^ tl.load(tab + 256 + i2).to(tl.uint32, bitcast=True) ^ tl.load(tab + i3).to(tl.uint32, bitcast=True))
-                tl.store(out + lanes, c.to(tl.int32, bitcast=True), mask=mask)
-
-            _kernel = crc_lanes
-        return _kernel
+@functools.lru_cache(maxsize=None)
+def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slice tables ``[1024]`` and the combining rounds' tables ``[levels, 1024]`` as int32 on ``device``."""
+    images = _zero_bytes_map(LANE_BYTES)
+    rounds = []
+    for _ in range(levels):
+        rounds.append(_byte_tables(images).reshape(-1))
+        images = _apply(images, images)
+    combine = np.stack(rounds) if rounds else np.zeros((0, 1024), dtype=np.uint32)
+    return (torch.from_numpy(SLICE_TABLES.reshape(-1).view(np.int32).copy()).to(device),
+            torch.from_numpy(combine.view(np.int32).copy()).to(device))
 
 
-def _lanes_triton(words: torch.Tensor) -> torch.Tensor:
-    import triton
+def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
+    """The zero-started CRC of ``body`` (``lanes`` whole lanes, 16-byte aligned) by the CUDA kernels."""
+    import ctypes
 
-    tab = _slice_tables_on(words.device, torch.int32).reshape(-1)
-    n = words.shape[0]
-    out = torch.empty(n, dtype=torch.int32, device=words.device)
-    _triton_kernel()[(triton.cdiv(n, BLOCK),)](words, out, tab, n, WORDS=words.shape[1], BLOCK=BLOCK)
-    return out.to(torch.int64) & 0xFFFFFFFF
+    k = _cuda_kernels(body.device)
+    levels = (lanes - 1).bit_length()
+    with _tables_lock:
+        slice_tab, combine_tab = _tables_int32(levels, body.device)
+    pad = (1 << levels) - lanes
+    c = torch.empty(1 << levels, dtype=torch.int32, device=body.device)
+    if pad:
+        c[:pad].zero_()  # leading zero lanes leave a zero-started CRC unchanged
+    k["crc32_lanes"].launch((lanes + THREADS - 1) // THREADS, THREADS, [body, c[pad:], slice_tab, ctypes.c_longlong(lanes)])
+    for r in range(levels):
+        n_out = c.numel() // 2
+        nxt = torch.empty(n_out, dtype=torch.int32, device=body.device)
+        k["crc32_combine_round"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
+        c = nxt
+    return int(c.item()) & 0xFFFFFFFF
 
 
-def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_triton: bool | None = None) -> int:
+def _raw_torch(words: torch.Tensor, lanes: int) -> int:
+    """The same with torch ops (CPU tests, unaligned buffers): lanes, then the combining rounds."""
+    c = _lanes_torch(words)
+    levels = (lanes - 1).bit_length()
+    if (1 << levels) != lanes:
+        c = torch.cat([torch.zeros((1 << levels) - lanes, dtype=torch.int64, device=c.device), c])
+    if levels:
+        with _tables_lock:
+            tabs = _combine_tables(levels, c.device)
+        for k in range(levels):
+            pair = c.view(-1, 2)
+            a, b = pair[:, 0], pair[:, 1]
+            t = tabs[k]
+            c = t[0][a & 255] ^ t[1][(a >> 8) & 255] ^ t[2][(a >> 16) & 255] ^ t[3][(a >> 24) & 255] ^ b
+    return int(c.item())
+
+
+def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None = None) -> int:
     """zlib's CRC-32 of the bytes of ``buf`` (1-D uint8, on a GPU or the CPU; its start 4-byte aligned).
 
     ``host_tail``: the same bytes as ``buf`` past its last whole lane, readable on the host (a restore
-    passes them from the mapped file; else they are copied back). ``use_triton``: default, on CUDA.
+    passes them from the mapped file; else they are copied back). ``use_kernel``: the CUDA kernels
+    (default: on a CUDA device with a 16-byte aligned buffer), else torch ops (~20x slower).
     """
     if buf.dim() != 1 or buf.dtype != torch.uint8:
         raise ValueError(f"crc32_of expects a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
@@ -172,21 +248,12 @@ def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_triton: bool | None =
     if lanes:
         if buf.data_ptr() % 4:
             raise ValueError("crc32_of needs a 4-byte aligned buffer")
-        words = buf[:body].view(torch.int32).view(lanes, LANE_BYTES // 4)
-        tri = buf.device.type == "cuda" if use_triton is None else use_triton
-        c = _lanes_triton(words) if tri else _lanes_torch(words)
-        levels = (lanes - 1).bit_length()
-        if (1 << levels) != lanes:
-            c = torch.cat([torch.zeros((1 << levels) - lanes, dtype=torch.int64, device=c.device), c])
-        if levels:
-            with _tables_lock:
-                tabs = _combine_tables(levels, c.device)
-            for k in range(levels):
-                pair = c.view(-1, 2)
-                a, b = pair[:, 0], pair[:, 1]
-                t = tabs[k]
-                c = t[0][a & 255] ^ t[1][(a >> 8) & 255] ^ t[2][(a >> 16) & 255] ^ t[3][(a >> 24) & 255] ^ b
-        raw = int(c.item())
+        if use_kernel is None:
+            use_kernel = buf.device.type == "cuda" and buf.data_ptr() % 16 == 0
+        if use_kernel:
+            raw = _raw_cuda(buf[:body], lanes)
+        else:
+            raw = _raw_torch(buf[:body].view(torch.int32).view(lanes, LANE_BYTES // 4), lanes)
         crc = raw ^ crc32_combine_py(0xFFFFFFFF, 0, body) ^ 0xFFFFFFFF  # zlib's start and end conditioning
     tail = host_tail if host_tail is not None else buf[body:].cpu().numpy().tobytes()
     if len(tail) != n - body:
@@ -201,4 +268,4 @@ def tail_start(nbytes: int) -> int:
     return nbytes // LANE_BYTES * LANE_BYTES
 
 
-__all__ = ["BLOCK", "LANE_BYTES", "crc32_of", "tail_start", "triton_available"]
+__all__ = ["KERNEL_SOURCE", "LANE_BYTES", "crc32_of", "kernel_available", "tail_start"]

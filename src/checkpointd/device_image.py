@@ -4,26 +4,29 @@ Why: a verify-first restore (no byte reaches a live tensor before every file of 
 manifest checksum) passed over host memory twice, one pass after the other: the checksum of each file
 on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200 host), then the copy into
 pinned chunks and their DMA into the live tensors (~90 ms). Here the copy comes first, into a private
-GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.bulkcopy`: its
-copy threads fault the mapping's pages in as they read, at no extra cost), and the checksum is
-computed on the image (:mod:`checkpointd.device_crc`, ~8 ms for 4.83 GB). The image is registered only
+GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.bulkcopy`, the
+mapping's pages populated ahead of the copies), and the checksum is computed on the image
+(:mod:`checkpointd.device_crc`, 3.3 ms for 4.83 GB on an H200). The image is registered only
 once the file's checksum matched; the apply then fills the live tensors from it, device to device
 (``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
-exactly the bytes applied. Measured: RESULTS.md, session 29.
+exactly the bytes applied. Measured: RESULTS.md, sessions 29-30.
 
-Opt-in (``CHECKPOINTD_RESTORE_VERIFY=device``; the default, ``host``, checksums on the CPU): in a
+The default (``CHECKPOINTD_RESTORE_VERIFY=device``; ``host`` checksums on the CPU as before): in a
 single-process restore (:func:`checkpointd.restore.restore_in_place`) into live CUDA tensors, for an
 uncompressed mapped file (tmpfs; :func:`checkpointd.fastload.use_mmap`) of at least :data:`MIN_BYTES`,
-when Triton is importable and the GPU has room for the image and as many bytes again (a fresh
+when the CRC kernels build or load (:mod:`checkpointd.cuda_rtc`: NVRTC, once per machine, ~20 ms; then
+~1 ms from the disk cache) and the GPU has room for the image and as many bytes again (a fresh
 optimizer's state is allocated by the apply) beside :func:`headroom_bytes`. Anywhere else, or when
 anything in the upload or the device checksum fails, the file is checksummed on the host: the bytes
 restored are the same either way, and a copy whose stored bytes lie outside every image (a dtype cast,
 a CPU tensor) takes the host path from the mapping.
 
-Why not the default: the kernel's first use in a process costs 0.5 s with Triton's cache warm and
-1.2 s cold, on top of importing Triton (0.15-0.26 s), so a resumed job's restore (the only one in its
-process) took 0.71-0.84 s against ~0.3 s on the host (H200, 4.83 GB). In a process that has restored
-before, it measured 144-222 ms against 183-272 on the host in the same runs (RESULTS.md, session 29).
+Session 29 built this on a Triton kernel and left it opt-in: Triton's first use cost a process 0.5-1.2 s,
+more than a resumed job's restore (the only one in its process) gained. With the NVRTC kernels (CRC of
+4.83 GB in 3.3 ms; building them 19-28 ms once per machine, loading them ~1 ms) it is the default:
+on H200 hosts (4.83 GB, tmpfs; RESULTS.md, session 30) a restore took 177 ms at best (median 184)
+against 182 (199) on the host in the same run, and a resumed job's restore (a fresh process) 251-276 ms
+against 268-420; on another host 189 against 191 ms warm, 260-339 against 314-395 fresh.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ of the device's memory (the training's first steps after a resume allocate their
 
 
 def mode() -> str:
-    """``host`` (the default) or ``device`` from ``CHECKPOINTD_RESTORE_VERIFY``."""
-    value = os.environ.get(VERIFY_ENV, "host").strip().lower()
+    """``device`` (the default) or ``host`` from ``CHECKPOINTD_RESTORE_VERIFY``."""
+    value = os.environ.get(VERIFY_ENV, "device").strip().lower()
     if value not in ("device", "host"):
         raise ValueError(f"{VERIFY_ENV}={value!r}: expected 'host' (checksum on the CPU) or 'device' (on the GPU)")
     return value
@@ -110,23 +113,14 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
             yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
 
 
-_warned_no_triton = False
-
-
 def _usable(device: torch.device) -> bool:
-    global _warned_no_triton
     if mode() == "host":
         return False
     if device.type != "cuda":
         return True  # a CPU "device": the bookkeeping's tests (the checksum then runs as torch ops)
-    from .device_crc import triton_available
+    from .device_crc import kernel_available
 
-    if triton_available():
-        return True
-    if not _warned_no_triton:
-        _warned_no_triton = True
-        logger.warning("%s=device needs Triton (pip install triton); checksumming restored files on the host", VERIFY_ENV)
-    return False
+    return kernel_available(device)  # built (or loaded from the disk cache) here, once per process
 
 
 @contextlib.contextmanager
@@ -180,8 +174,8 @@ def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
         else:  # a CPU "device" (tests)
             data.copy_(buf)
         tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device
-        crc = device_crc.crc32_of(data, host_tail=tail)  # Triton on CUDA (``_usable`` made sure of it)
-    except Exception as exc:  # noqa: BLE001 - no pinned memory, a Triton failure: the host pass needs none of it
+        crc = device_crc.crc32_of(data, host_tail=tail)  # the CUDA kernels (``_usable`` built them)
+    except Exception as exc:  # noqa: BLE001 - no pinned memory, a kernel failure: the host pass needs none of it
         logger.warning("restore: verifying a %d-byte file on %s failed (%r); checksumming it on the host", n, data.device, exc)
         with _lock:
             stats["failed"] += 1

@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from .kernel_cache import check_private, private_folders
+
 logger = logging.getLogger("checkpointd")
 
 NATIVE_ENV = "CHECKPOINTD_NATIVE"
-CACHE_DIR_ENV = "CHECKPOINTD_CACHE_DIR"
 _SOURCE = Path(__file__).with_name("planes_native.c")
 _ABI = 1  # cpd_abi() of the source this module expects
 _FLAGS = ["-O3", "-std=gnu99", "-shared", "-fPIC"]
@@ -48,13 +49,6 @@ _tried = False
 why_not = ""
 """Why the native kernels are not in use ("" when they are, or before the first try)."""
 
-def _cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "checkpointd"
-
 
 def _compiler() -> str | None:
     cc = os.environ.get("CC") or "cc"
@@ -65,15 +59,12 @@ def _build(source: bytes, cc: str) -> Path:
     """The compiled library for ``source``: from the cache, or compiled into it now."""
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
                                       platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
-    candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"checkpointd-{os.getuid() if hasattr(os, 'getuid') else 0}"]
     last_error: Exception | None = None
-    for folder in candidates:
+    for folder in private_folders():
         target = folder / f"planes-{key}.so"
         try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _check_private(folder)
             if target.is_file():
-                _check_private(target)
+                check_private(target)
                 return target
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 src = Path(tmp) / "planes_native.c"
@@ -89,13 +80,6 @@ def _build(source: bytes, cc: str) -> Path:
         except OSError as exc:  # an unwritable or shared folder: try the next
             last_error = exc
     raise RuntimeError(f"no writable folder for the compiled kernels: {last_error}")
-
-
-def _check_private(path: Path) -> None:
-    """Refuse code that someone else could have put there: owned by another user, or writable by others."""
-    st = path.stat()
-    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
-        raise PermissionError(f"{path} is not private to this user (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
 
 
 def _load() -> Any:

@@ -1,7 +1,7 @@
 """Restore verified on the GPU (``device_image`` + ``device_crc``): bit-exact, corruption caught, fallbacks.
 
 The saved checkpoint is mapped (``CHECKPOINTD_RESTORE_MMAP=1``) and every file is verified on the device
-(``MIN_BYTES`` lowered): uploaded through the pinned bounce chunks, checksummed by the Triton kernel,
+(``MIN_BYTES`` lowered): uploaded through the pinned bounce chunks, checksummed by the NVRTC-built kernels,
 applied device to device. Skipped where CUDA is unavailable.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, device_crc, device_image, fastload
+from checkpointd import CheckpointManager, cuda_rtc, device_crc, device_image, fastload, kernel_cache
 from checkpointd.errors import CorruptCheckpointError
 
 from test_restore_cuda import _assert_same, _model, _scramble, _trained
@@ -40,21 +40,64 @@ def saved(tmp_path):
     return tmp_path, ref_model, ref_opt
 
 
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_device_crc_equals_zlib(use_triton) -> None:
-    if use_triton and not device_crc.triton_available():
-        pytest.skip("Triton is not installed")
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_device_crc_equals_zlib(use_kernel) -> None:
     rng = np.random.default_rng(0)
     for n in (0, 7, 4096, 4096 * 5 + 3, 1 << 20, (37 << 20) + 4093):
-        if not use_triton and n > (1 << 20):
+        if not use_kernel and n > (1 << 20):
             continue  # the torch-ops lanes launch ~10 kernels per word column
         host = rng.integers(0, 256, n, dtype=np.uint8)
         buf = torch.from_numpy(host).cuda()
-        assert device_crc.crc32_of(buf, use_triton=use_triton) == zlib.crc32(host.tobytes()), n
+        assert device_crc.crc32_of(buf, use_kernel=use_kernel) == zlib.crc32(host.tobytes()), n
+
+
+def test_crc_of_a_buffer_not_16_byte_aligned_takes_torch_ops() -> None:
+    host = np.random.default_rng(5).integers(0, 256, 3 * 4096 + 4 + 9, dtype=np.uint8)
+    buf = torch.from_numpy(host).cuda()[4:]  # 4-byte aligned only: the kernel's 16-byte loads do not apply
+    assert device_crc.crc32_of(buf) == zlib.crc32(host[4:].tobytes())
+
+
+def test_nvrtc_builds_the_kernels_and_reports_compile_errors() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    cubin = cuda_rtc.compile_cubin(device_crc.KERNEL_SOURCE, f"{major}{minor}")
+    assert cubin[:4] == b"\x7fELF"  # machine code for this GPU, not PTX
+    with pytest.raises(cuda_rtc.KernelUnavailable, match="undefined"):
+        cuda_rtc.compile_cubin('extern "C" __global__ void broken() { not_declared = 1; }', f"{major}{minor}")
+
+
+_FRESH = """
+import json, zlib, torch
+from checkpointd import cuda_rtc, device_crc
+buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
+ok = device_crc.kernel_available(buf.device) and device_crc.crc32_of(buf) == zlib.crc32(buf.cpu().numpy().tobytes())
+print(json.dumps({"ok": ok, "origin": list(cuda_rtc.load_origin.values())}))
+"""
+
+
+def test_a_fresh_process_loads_the_stored_kernel_and_rebuilds_a_corrupt_one(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: str(tmp_path / "kernels")})
+
+    def fresh() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    assert fresh() == {"ok": True, "origin": ["compiled"]}
+    (stored,) = (tmp_path / "kernels").iterdir()
+    good = stored.read_bytes()
+    assert fresh() == {"ok": True, "origin": ["cache"]}
+    stored.write_bytes(good[:200])  # a truncated cubin (a disk filled up, say): never handed to the driver
+    assert fresh() == {"ok": True, "origin": ["compiled"]}
+    assert len(stored.read_bytes()) == len(good)  # stored again, whole
+    assert fresh() == {"ok": True, "origin": ["cache"]}
 
 
 def test_restore_verified_on_device_is_exact_and_in_place(saved, on_device) -> None:
-    assert device_crc.triton_available(), "the GPU host runs these with Triton"
+    assert device_crc.kernel_available(torch.device("cuda")), "the GPU host builds the CRC kernels with NVRTC"
     root, ref_model, ref_opt = saved
     model, opt = _trained()
     _scramble(model, opt)
