@@ -82,15 +82,20 @@ def _byte_tables(images: np.ndarray) -> np.ndarray:
 _tables_lock = threading.Lock()
 
 
+def _round_tables(levels: int) -> np.ndarray:
+    """``[levels, 4, 256]`` uint32: round ``k`` shifts past ``LANE_BYTES * 2**k`` zero bytes."""
+    images = _zero_bytes_map(LANE_BYTES)
+    out = np.zeros((levels, 4, 256), dtype=np.uint32)
+    for k in range(levels):
+        out[k] = _byte_tables(images)
+        images = _apply(images, images)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _combine_tables(levels: int, device: torch.device) -> torch.Tensor:
-    """``[levels, 4, 256]`` int64 on ``device``: round ``k`` shifts past ``LANE_BYTES * 2**k`` zero bytes."""
-    images = _zero_bytes_map(LANE_BYTES)
-    out = []
-    for _ in range(levels):
-        out.append(_byte_tables(images))
-        images = _apply(images, images)
-    return torch.from_numpy(np.stack(out).astype(np.int64)).to(device)
+    """:func:`_round_tables` as int64 on ``device`` (the torch-ops path)."""
+    return torch.from_numpy(_round_tables(levels).astype(np.int64)).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,14 +189,8 @@ def kernel_available(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The slice tables ``[1024]`` and the combining rounds' tables ``[levels, 1024]`` as int32 on ``device``."""
-    images = _zero_bytes_map(LANE_BYTES)
-    rounds = []
-    for _ in range(levels):
-        rounds.append(_byte_tables(images).reshape(-1))
-        images = _apply(images, images)
-    combine = np.stack(rounds) if rounds else np.zeros((0, 1024), dtype=np.uint32)
     return (torch.from_numpy(SLICE_TABLES.reshape(-1).view(np.int32).copy()).to(device),
-            torch.from_numpy(combine.view(np.int32).copy()).to(device))
+            torch.from_numpy(_round_tables(levels).reshape(levels, 1024).view(np.int32).copy()).to(device))
 
 
 def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
