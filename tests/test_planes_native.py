@@ -193,3 +193,18 @@ def test_a_cache_folder_others_can_write_is_not_used(lib, tmp_path, monkeypatch)
         assert not list(shared.iterdir())
     finally:
         planes_native.reset()
+
+
+def test_no_private_folder_at_all_leaves_the_numpy_kernels_and_says_why(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")  # a file where both folders would be made
+    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+    planes_native.reset()
+    try:
+        assert planes_native.library() is None
+        assert "CHECKPOINTD_CACHE_DIR" in planes_native.why_not and str(blocker / "cache") in planes_native.why_not
+    finally:
+        planes_native.reset()

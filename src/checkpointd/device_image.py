@@ -4,8 +4,8 @@ Why: a verify-first restore (no byte reaches a live tensor before every file of 
 manifest checksum) passed over host memory twice, one pass after the other: the checksum of each file
 on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200 host), then the copy into
 pinned chunks and their DMA into the live tensors (~90 ms). Here the copy comes first, into a private
-GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.bulkcopy`, the
-mapping's pages populated ahead of the copies), and the checksum is computed on the image
+GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.bulkcopy`, whose
+copy threads fault the mapping's pages in as they read), and the checksum is computed on the image
 (:mod:`checkpointd.device_crc`, 3.3 ms for 4.83 GB on an H200). The image is registered only
 once the file's checksum matched; the apply then fills the live tensors from it, device to device
 (``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are

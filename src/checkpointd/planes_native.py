@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .kernel_cache import check_private, private_folders
+from .kernel_cache import CACHE_DIR_ENV, cache_dir, check_private, private_folders
 
 logger = logging.getLogger("checkpointd")
 
@@ -79,7 +79,8 @@ def _build(source: bytes, cc: str) -> Path:
             return target
         except OSError as exc:  # an unwritable or shared folder: try the next
             last_error = exc
-    raise RuntimeError(f"no writable folder for the compiled kernels: {last_error}")
+    raise RuntimeError(f"no private, writable folder for the compiled kernels ({cache_dir()} or the per-user temporary "
+                       f"folder; set {CACHE_DIR_ENV}){': ' + repr(last_error) if last_error else ''}")
 
 
 def _load() -> Any:
