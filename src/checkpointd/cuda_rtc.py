@@ -242,7 +242,7 @@ def kernels(source: str, names: Sequence[str], device: torch.device, options: Se
     if device.type != "cuda" or not torch.cuda.is_available():
         raise KernelUnavailable(f"runtime-compiled kernels need a CUDA device, not {device}")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (hashlib.sha256(source.encode()).hexdigest(), index)
+    key = (hashlib.sha256("\0".join([source, *names, *options]).encode()).hexdigest(), index)
     with _modules_lock:
         if key in _modules:
             return _modules[key]

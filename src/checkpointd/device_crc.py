@@ -99,13 +99,14 @@ def _combine_tables(levels: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _slice_tables_on(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(SLICE_TABLES.view(np.int32).astype(np.int64) & 0xFFFFFFFF).to(device=device, dtype=dtype)
+def _slice_tables_int64(device: torch.device) -> torch.Tensor:
+    """:data:`SLICE_TABLES` as int64 on ``device`` (the torch-ops path)."""
+    return torch.from_numpy(SLICE_TABLES.astype(np.int64)).to(device)
 
 
 def _lanes_torch(words: torch.Tensor) -> torch.Tensor:
     """Zero-started CRC of each row of ``words`` (``[lanes, LANE_BYTES // 4]`` int32) with torch ops, as int64."""
-    t = _slice_tables_on(words.device, torch.int64)
+    t = _slice_tables_int64(words.device)
     c = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
     for k in range(words.shape[1]):
         x = c ^ (words[:, k].to(torch.int64) & 0xFFFFFFFF)
