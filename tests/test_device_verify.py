@@ -370,3 +370,28 @@ def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_bu
     monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
     data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
+
+
+def test_the_benchmarks_knobs_turn_the_wait_parse_and_the_interval_off(tmp_path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "0")
+    with device_image.verifying_on(CPU):
+        assert sys.getswitchinterval() == pytest.approx(before)
+    monkeypatch.setenv("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "0.001")
+    with device_image.verifying_on(CPU):
+        assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
+    assert device_image.parse_in_wait()
+    seen = []
+    monkeypatch.setattr(device_image, "verify", lambda buf, while_waiting=None: seen.append(while_waiting))
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    monkeypatch.setattr(device_image, "MIN_BYTES", 1)
+    store, step_dir, manifest = _saved(tmp_path)
+    restore.read_step(store, step_dir, manifest)
+    assert seen and all(callable(w) for w in seen)
+    seen.clear()
+    monkeypatch.setenv(device_image.PARSE_IN_WAIT_ENV, "0")
+    restore.read_step(store, step_dir, manifest)
+    assert seen and all(w is None for w in seen)

@@ -130,7 +130,8 @@ def _usable(device: torch.device) -> bool:
 
 
 SWITCH_INTERVAL_SECS = 0.0002
-"""Python's GIL switch interval is at most this while a restore verifies on the device (0: left alone).
+"""Python's GIL switch interval is at most this while a restore verifies on the device (0: left alone;
+``CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS`` overrides it, for benchmarks).
 
 Why: one file's upload loop takes the GIL back for a moment after every 16 MiB chunk (~0.4 ms), while
 the other file's reading thread parses its pickle (3-8 ms of Python) as it waits for the pinned chunks.
@@ -152,12 +153,29 @@ def verifying_on(device: torch.device | None) -> Iterator[None]:
     with _lock:
         _active.append(restore)
     try:
-        with short_gil_switch_interval(at_most=SWITCH_INTERVAL_SECS) if SWITCH_INTERVAL_SECS > 0 else contextlib.nullcontext():
+        interval = _switch_interval()
+        with short_gil_switch_interval(at_most=interval) if interval > 0 else contextlib.nullcontext():
             yield
     finally:
         with _lock:
             _active.remove(restore)
         restore.images.clear()
+
+
+def _switch_interval() -> float:
+    env = os.environ.get("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "").strip()
+    try:
+        return float(env) if env else SWITCH_INTERVAL_SECS
+    except ValueError:
+        return SWITCH_INTERVAL_SECS
+
+
+PARSE_IN_WAIT_ENV = "CHECKPOINTD_RESTORE_PARSE_IN_WAIT"
+"""``0``: a file's parse waits for its device checksum, as before session 31 (benchmarks compare)."""
+
+
+def parse_in_wait() -> bool:
+    return os.environ.get(PARSE_IN_WAIT_ENV, "1").strip() != "0"
 
 
 def drop_all() -> bool:

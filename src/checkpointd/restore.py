@@ -133,7 +133,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     def on_device(buf: Any, idle: Any) -> int | None:
         """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.device_image`);
         ``idle()`` (the early parse) runs while the upload waits for the pinned chunks another file uses."""
-        got = device_image.verify(buf, while_waiting=idle)
+        got = device_image.verify(buf, while_waiting=idle if device_image.parse_in_wait() else None)
         if got is None:
             return None
         early["image"], crc = got
