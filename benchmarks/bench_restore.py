@@ -37,9 +37,6 @@ and the live tensors zeroed:
   library's default said explicitly (=device: mapped files uploaded and checksummed on the GPU,
   ``checkpointd.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
   checkpointd_cold_deviceverify: the same as fresh processes (``checkpointd_cold``);
-- checkpointd_parse_after: the GPU-verified restore as before session 31 (each file parsed after its
-  device checksum instead of while its upload waits for the pinned chunks; the GIL switch interval left
-  alone): CHECKPOINTD_RESTORE_PARSE_IN_WAIT=0, CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS=0;
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -78,13 +75,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
-               "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_parse_after", "checkpointd_cold_deviceverify",
-               "checkpointd_cold_hostverify",
+               "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
                "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
 STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                     "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
-                    "checkpointd_parse_after": {"CHECKPOINTD_RESTORE_PARSE_IN_WAIT": "0",
-                                                "CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS": "0"},
                     "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                     "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                     "checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
@@ -92,10 +86,8 @@ STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "
                     "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
                     "checkpointd_legacy": {"CHECKPOINTD_RESTORE_H2D": "legacy", "CHECKPOINTD_RESTORE_MMAP": "0"},
                     "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
-"""Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py,
-fastload.py and device_image.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the
-per-entry path, ``parse_after`` verifies on the GPU as before session 31 (each file parsed after its
-device checksum, the GIL switch interval left alone)."""
+"""Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
+fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
 DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd", "checkpointd_cold",
                    "checkpointd_cold_hostverify", "checkpointd_phases"]
 

@@ -9,7 +9,6 @@ addresses of the mapped file, the restore drops it, and room, the switch and fai
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
@@ -263,100 +262,6 @@ def test_only_cuda_state_asks_for_a_device() -> None:
     assert device_image.target_device([model, opt, torch.zeros(2), {"plain": 1}]) is None
 
 
-# -- the parse while the upload waits for the pinned chunks (session 31) ------------------------------
-
-
-def _blob(tmp_path, n: int = 700_000) -> tuple[str, bytes]:
-    data = os.urandom(n)
-    p = tmp_path / "blob"
-    p.write_bytes(data)
-    return str(p), data
-
-
-@pytest.mark.parametrize("calls_idle", [True, False])
-def test_the_parse_runs_once_whether_or_not_the_device_check_waited(tmp_path, monkeypatch, calls_idle) -> None:
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    path, data = _blob(tmp_path)
-    order: list[str] = []
-
-    def device_verify(buf, idle):
-        order.append("upload")
-        if calls_idle:
-            idle()  # the chunks were busy: the parse runs in the wait ...
-            idle()  # ... once
-        order.append("device crc")
-        return zlib.crc32(bytes(buf.numpy()))
-
-    buf, size, checksum = fastload.read_file_verified(path, len(data), "blob", meanwhile=lambda b: order.append("parse"),
-                                                      device_verify=device_verify)
-    assert checksum == f"crc32:{zlib.crc32(data):08x}" and size == len(data)
-    want = ["upload", "parse", "device crc"] if calls_idle else ["upload", "device crc", "parse"]
-    assert order == want
-
-
-def test_a_device_check_that_gives_up_after_the_parse_leaves_the_checksum_to_the_host(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    monkeypatch.setattr(fastload, "MAP_CRC_BYTES", 100_000)
-    path, data = _blob(tmp_path)
-    parsed: list[bytes] = []
-
-    def device_verify(buf, idle):
-        idle()
-        return None  # e.g. no room on the device after all
-
-    buf, size, checksum = fastload.read_file_verified(path, len(data), "blob",
-                                                      meanwhile=lambda b: parsed.append(bytes(b.numpy())),
-                                                      device_verify=device_verify)
-    assert checksum == f"crc32:{zlib.crc32(data):08x}"  # the host checksummed it
-    assert parsed == [data]  # and the parse did not run a second time
-
-
-def test_the_work_given_for_a_wait_runs_only_when_the_lock_is_taken() -> None:
-    import threading
-
-    from checkpointd import bulkcopy
-
-    lock = threading.Lock()
-    ran: list[bool] = []
-    with bulkcopy._locked(lock, lambda: ran.append(lock.locked())):
-        assert lock.locked()
-    assert ran == [] and not lock.locked()  # free: taken at once, nothing run
-
-    holder_in, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            holder_in.set()
-            release.wait(5)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    holder_in.wait(5)
-    threading.Timer(0.1, release.set).start()
-    with bulkcopy._locked(lock, lambda: ran.append(lock.locked())):
-        pass
-    t.join(5)
-    assert ran == [True]  # ran while the other holder still had the lock
-    with pytest.raises(RuntimeError, match="inside"):
-        with bulkcopy._locked(lock, None):
-            raise RuntimeError("inside")
-    assert not lock.locked()  # released after a failure in the block
-
-
-def test_a_restore_verifying_on_a_device_shortens_the_switch_interval_and_puts_it_back(monkeypatch) -> None:
-    import sys
-
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
-    before = sys.getswitchinterval()
-    assert before > device_image.SWITCH_INTERVAL_SECS
-    with device_image.verifying_on(CPU):
-        assert sys.getswitchinterval() == pytest.approx(device_image.SWITCH_INTERVAL_SECS)
-    assert sys.getswitchinterval() == pytest.approx(before)
-    monkeypatch.setenv(device_image.VERIFY_ENV, "host")
-    with device_image.verifying_on(CPU):  # nothing verified on a device: left alone
-        assert sys.getswitchinterval() == pytest.approx(before)
-
-
 @pytest.mark.parametrize("rounds_built", [1, 3, 24])
 def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_built) -> None:
     """Round k's table depends on k alone: one table of ``ROUNDS_BUILT`` rounds serves every smaller file,
@@ -370,28 +275,3 @@ def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_bu
     monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
     data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
-
-
-def test_the_benchmarks_knobs_turn_the_wait_parse_and_the_interval_off(tmp_path, monkeypatch) -> None:
-    import sys
-
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
-    before = sys.getswitchinterval()
-    monkeypatch.setenv("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "0")
-    with device_image.verifying_on(CPU):
-        assert sys.getswitchinterval() == pytest.approx(before)
-    monkeypatch.setenv("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "0.001")
-    with device_image.verifying_on(CPU):
-        assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
-    assert device_image.parse_in_wait()
-    seen = []
-    monkeypatch.setattr(device_image, "verify", lambda buf, while_waiting=None: seen.append(while_waiting))
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    monkeypatch.setattr(device_image, "MIN_BYTES", 1)
-    store, step_dir, manifest = _saved(tmp_path)
-    restore.read_step(store, step_dir, manifest)
-    assert seen and all(callable(w) for w in seen)
-    seen.clear()
-    monkeypatch.setenv(device_image.PARSE_IN_WAIT_ENV, "0")
-    restore.read_step(store, step_dir, manifest)
-    assert seen and all(w is None for w in seen)

@@ -257,21 +257,3 @@ def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(t
     assert len(files) == 2, calls  # each file pickled exactly once
     ckpt = torch.load(tmp_path / "step-000000001" / "checkpoint.0.1.pt", weights_only=True)
     assert ckpt["scaler_state_dict"]["scale"] == scale
-
-
-def test_a_caller_may_ask_for_its_own_switch_interval_beside_the_writers() -> None:
-    """``at_most`` (a restore verifying on the GPU) lowers the interval for its block only; the smallest
-    request of those active wins, and the application's interval comes back after the last."""
-    import sys
-
-    from checkpointd import writer as writer_mod
-
-    before = sys.getswitchinterval()
-    with writer_mod.short_gil_switch_interval(at_most=0.001):
-        assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
-        with writer_mod.short_gil_switch_interval(planning=True):
-            assert sys.getswitchinterval() == pytest.approx(min(0.001, writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS))
-        assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
-        with writer_mod.short_gil_switch_interval(at_most=0.002):
-            assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
-    assert sys.getswitchinterval() == pytest.approx(before)

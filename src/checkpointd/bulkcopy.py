@@ -39,7 +39,7 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -267,31 +267,15 @@ def _pageable_h2d(device: torch.device, items: list[Pair]) -> None:
             raise errors[0]
 
 
-def upload_bytes(dst: torch.Tensor, src: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> None:
+def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy the CPU bytes ``src`` into the CUDA bytes ``dst`` (both 1-D uint8) through the pinned chunks;
     finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it).
-
-    ``while_waiting`` runs first if another upload holds the chunks (files are read side by side and
-    uploaded one after the other): a restore parses the file's pickle in that wait.
 
     The copy threads fault a fresh mapping's pages in as they read. Mapping them ahead on other threads
     (``MADV_POPULATE_READ``, every chunk queued at once) made a restore of 4.83 GB slower on H200 hosts
     in every variant tried: best 221 and 204 ms with 2 and 4 threads against 160 without, 213 with 16
     against 181 (RESULTS.md, session 30), presumably the populating threads competing with the copy's."""
-    _bounced_h2d(dst.device, [(dst, src)], while_waiting)
-
-
-@contextlib.contextmanager
-def _locked(lock: threading.Lock, while_waiting: Callable[[], None] | None) -> Iterator[None]:
-    """Hold ``lock`` for the block; if it is taken, run ``while_waiting`` (when given) before waiting for it."""
-    if not lock.acquire(blocking=False):
-        if while_waiting is not None:
-            while_waiting()
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+    _bounced_h2d(dst.device, [(dst, src)])
 
 
 def _device_to_device(device: torch.device, items: list[Pair]) -> None:
@@ -354,7 +338,7 @@ def _packs(items: list[Pair], limit: int) -> list[list[Pair]]:
     return packs
 
 
-def _bounced_h2d(device: torch.device, items: list[Pair], while_waiting: Callable[[], None] | None = None) -> None:
+def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
     """Chunk by chunk: host copy into a pinned chunk (intra-op threads), then its DMA on a side stream.
 
     Pairs below :data:`PACK_BELOW_BYTES` are packed: gathered into one chunk on the host, sent in one
@@ -363,7 +347,7 @@ def _bounced_h2d(device: torch.device, items: list[Pair], while_waiting: Callabl
     below = min(PACK_BELOW_BYTES, pool.chunk)  # a pack fits one chunk
     small = [p for p in items if p[0].numel() < below]
     large = [p for p in items if p[0].numel() >= below]
-    with _locked(pool.lock, while_waiting), _intra_op_threads(pool.threads):
+    with pool.lock, _intra_op_threads(pool.threads):
         chunks = pool.pinned_chunks()
         stream = pool.streams[0]
         stream.wait_stream(torch.cuda.current_stream(pool.device))  # the training's queued work comes first
@@ -394,5 +378,4 @@ def _bounced_h2d(device: torch.device, items: list[Pair], while_waiting: Callabl
         stream.synchronize()
 
 
-__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned",
-           "upload_bytes"]
+__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned"]

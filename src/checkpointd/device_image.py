@@ -9,13 +9,7 @@ copy threads fault the mapping's pages in as they read), and the checksum is com
 (:mod:`checkpointd.device_crc`, 3.3 ms for 4.83 GB on an H200). The image is registered only
 once the file's checksum matched; the apply then fills the live tensors from it, device to device
 (``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
-exactly the bytes applied. Measured: RESULTS.md, sessions 29-31.
-
-Files are read side by side but uploaded one after the other (one pool of pinned chunks). A file whose
-upload has to wait for the chunks parses its pickle in that wait (``while_waiting``), instead of after
-its checksum, where the last file's parse (3-14 ms on H200 hosts) used to end the read; meanwhile the
-switch interval is short (:data:`SWITCH_INTERVAL_SECS`) so the parse cannot hold the other file's upload
-loop off the GIL for 5 ms at a time.
+exactly the bytes applied. Measured: RESULTS.md, sessions 29-30.
 
 The default (``CHECKPOINTD_RESTORE_VERIFY=device``; ``host`` checksums on the CPU as before): in a
 single-process restore (:func:`checkpointd.restore.restore_in_place`) into live CUDA tensors, for an
@@ -42,7 +36,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -129,15 +123,6 @@ def _usable(device: torch.device) -> bool:
     return kernel_available(device)  # built (or loaded from the disk cache) here, once per process
 
 
-SWITCH_INTERVAL_SECS = 0.0002
-"""Python's GIL switch interval is at most this while a restore verifies on the device (0: left alone;
-``CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS`` overrides it, for benchmarks).
-
-Why: one file's upload loop takes the GIL back for a moment after every 16 MiB chunk (~0.4 ms), while
-the other file's reading thread parses its pickle (3-8 ms of Python) as it waits for the pinned chunks.
-With the default 5 ms interval each of those moments could wait up to 5 ms; with this one ~0.2 ms."""
-
-
 @contextlib.contextmanager
 def verifying_on(device: torch.device | None) -> Iterator[None]:
     """Within the block, mapped files read for a restore may be verified on ``device`` (None: never).
@@ -147,35 +132,15 @@ def verifying_on(device: torch.device | None) -> Iterator[None]:
     if device is None or not _usable(device):
         yield
         return
-    from .writer import short_gil_switch_interval
-
     restore = _Restore(device)
     with _lock:
         _active.append(restore)
     try:
-        interval = _switch_interval()
-        with short_gil_switch_interval(at_most=interval) if interval > 0 else contextlib.nullcontext():
-            yield
+        yield
     finally:
         with _lock:
             _active.remove(restore)
         restore.images.clear()
-
-
-def _switch_interval() -> float:
-    env = os.environ.get("CHECKPOINTD_RESTORE_SWITCH_INTERVAL_SECS", "").strip()
-    try:
-        return float(env) if env else SWITCH_INTERVAL_SECS
-    except ValueError:
-        return SWITCH_INTERVAL_SECS
-
-
-PARSE_IN_WAIT_ENV = "CHECKPOINTD_RESTORE_PARSE_IN_WAIT"
-"""``0``: a file's parse waits for its device checksum, as before session 31 (benchmarks compare)."""
-
-
-def parse_in_wait() -> bool:
-    return os.environ.get(PARSE_IN_WAIT_ENV, "1").strip() != "0"
 
 
 def drop_all() -> bool:
@@ -187,14 +152,12 @@ def drop_all() -> bool:
     return had
 
 
-def verify(buf: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> tuple[DeviceImage, int] | None:
+def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
     """Upload the mapped file ``buf`` to the restore's device and checksum it there: ``(image, CRC-32)``.
 
     None where that does not apply (no restore verifying on a device, a file below ``MIN_BYTES``, no room)
     or anything failed (logged): the caller checksums on the host instead. The image is not usable
     until :func:`register`-ed, which the caller does only once the CRC matched the manifest.
-    ``while_waiting`` runs if the upload has to wait for the pinned chunks (another file's upload holds
-    them): the caller's parse of the file then costs nothing (:func:`checkpointd.bulkcopy.upload_bytes`).
     """
     data = _allocate(buf)
     if data is None:
@@ -207,7 +170,7 @@ def verify(buf: torch.Tensor, while_waiting: Callable[[], None] | None = None) -
         if data.device.type == "cuda":
             from .bulkcopy import upload_bytes
 
-            upload_bytes(data, buf, while_waiting)
+            upload_bytes(data, buf)
         else:  # a CPU "device" (tests)
             data.copy_(buf)
         tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device

@@ -161,8 +161,7 @@ def _map_file(fd: int, size: int) -> torch.Tensor:
 
 def read_file_verified(path: str, expected_size: int, where: str,
                        meanwhile: Callable[[torch.Tensor], None] | None = None,
-                       device_verify: Callable[[torch.Tensor, Callable[[], None]], int | None] | None = None
-                       ) -> tuple[torch.Tensor, int, str]:
+                       device_verify: Callable[[torch.Tensor], int | None] | None = None) -> tuple[torch.Tensor, int, str]:
     """``(buffer, size, checksum)``: the whole file in a uint8 tensor, read and checksummed in parallel.
 
     The caller compares size and checksum with the manifest before using the buffer. When the file's
@@ -174,11 +173,9 @@ def read_file_verified(path: str, expected_size: int, where: str,
     for a read file after the read. Whatever it derives is unverified until the caller has compared
     the checksum; it must not change the buffer or anything outside.
 
-    ``device_verify(buffer, idle)``, for a mapped file only, may return the file's CRC-32 computed
-    elsewhere (:func:`checkpointd.device_image.verify`: on the GPU, from an upload of the mapping); the
-    host checksum is then skipped. ``idle()`` runs ``meanwhile`` (at most once): ``device_verify`` calls
-    it while it would otherwise wait (for the upload's pinned chunks, busy with another file), and it
-    runs after the device checksum if not called by then. None: the host checksums as usual.
+    ``device_verify(buffer)``, for a mapped file only, may return the file's CRC-32 computed elsewhere
+    (:func:`checkpointd.device_image.verify`: on the GPU, from an upload of the mapping); the host
+    checksum is then skipped and ``meanwhile`` runs after it. None: the host checksums as usual.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -190,14 +187,11 @@ def read_file_verified(path: str, expected_size: int, where: str,
         ranges = [(a, min(size, a + step)) for a in range(0, size, step)]
         if mapped:
             buf = _map_file(fd, size)
-            if device_verify is not None:
-                idle = _Once(meanwhile, buf)
-                crc = device_verify(buf, idle)
-                if crc is not None:
-                    idle()
-                    return buf, size, format_crc(crc)
-                if idle.ran:
-                    meanwhile = None
+            crc = device_verify(buf) if device_verify is not None else None
+            if crc is not None:
+                if meanwhile is not None:
+                    meanwhile(buf)
+                return buf, size, format_crc(crc)
             view = byte_view(buf)
             crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges],
                                       meanwhile=None if meanwhile is None else functools.partial(meanwhile, buf))
@@ -213,19 +207,6 @@ def read_file_verified(path: str, expected_size: int, where: str,
     for (a, b), c in zip(ranges, crcs):
         crc = crc32_combine(crc, c, b - a)
     return buf, size, format_crc(crc)
-
-
-class _Once:
-    """``fn(arg)`` on the first call, nothing after (nothing at all when ``fn`` is None)."""
-
-    def __init__(self, fn: Callable[[Any], None] | None, arg: Any) -> None:
-        self.fn, self.arg, self.ran = fn, arg, False
-
-    def __call__(self) -> None:
-        if not self.ran:
-            self.ran = True
-            if self.fn is not None:
-                self.fn(self.arg)
 
 
 def decode_to_buffer(codec_name: str, stored: torch.Tensor, native_size: int | None) -> torch.Tensor:

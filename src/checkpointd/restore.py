@@ -130,10 +130,9 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
         except Exception:  # noqa: BLE001 - the plain loader gives the precise error, after verification
             pass
 
-    def on_device(buf: Any, idle: Any) -> int | None:
-        """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.device_image`);
-        ``idle()`` (the early parse) runs while the upload waits for the pinned chunks another file uses."""
-        got = device_image.verify(buf, while_waiting=idle if device_image.parse_in_wait() else None)
+    def on_device(buf: Any) -> int | None:
+        """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.device_image`)."""
+        got = device_image.verify(buf)
         if got is None:
             return None
         early["image"], crc = got

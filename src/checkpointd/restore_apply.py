@@ -232,11 +232,8 @@ def _place_state(p: torch.Tensor, v: torch.Tensor, key: Any, fused_or_capturable
     else:
         dtype = p.dtype if p.is_floating_point() else v.dtype
     device = p.device
-    # the strides .to() gives (preserve_format): a dense tensor's own, else what empty_like picks
-    if v.numel() > 0 and bulkcopy.is_dense(v):
-        strides = v.stride()
-    else:
-        strides = torch.empty_like(v, dtype=dtype, device="meta").stride()
+    like = torch.empty_like(v, dtype=dtype, device="meta")  # the strides .to() gives (preserve_format)
+    strides = like.stride()
     if v.dim() > 0 and v.shape == p.shape and strides != p.stride():  # match_optimizer_state_layout
         if not bulkcopy.is_dense(p):
             return None

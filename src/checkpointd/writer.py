@@ -105,7 +105,7 @@ class BackgroundWriter(SerialWorker):
 
     def _handle(self, job: SaveJob) -> None:
         try:
-            with short_gil_switch_interval():
+            with _short_gil_switch_interval():
                 self._process(job)  # distributed runs override it: the pool is given back here, for both
             _release_restore_pool()
             job.future.set_result(job)
@@ -146,7 +146,7 @@ class BackgroundWriter(SerialWorker):
             plan_when(wait)
             job.timings["plan_wait_secs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with short_gil_switch_interval(planning=True) if plan_when is not None else contextlib.nullcontext():
+        with _short_gil_switch_interval(planning=True) if plan_when is not None else contextlib.nullcontext():
             job.plan_files()
             for fjob in job.files:
                 if parallel_write_applies(self.store, self.codec, fjob):
@@ -246,7 +246,6 @@ PLAN_WAIT_SECS = 2.0
 _switch_lock = threading.Lock()
 _switch_users = 0
 _plan_users = 0
-_other_limits: list[float] = []
 _switch_saved = 0.005
 
 
@@ -271,23 +270,18 @@ def _apply_switch_interval() -> None:
     plan = _env_seconds("CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS", PLAN_GIL_SWITCH_INTERVAL_SECS)
     if _plan_users and plan > 0:
         value = min(value, plan)
-    if _other_limits:
-        value = min(value, *_other_limits)
     sys.setswitchinterval(value)
 
 
 @contextlib.contextmanager
-def short_gil_switch_interval(planning: bool = False, at_most: float | None = None) -> Iterator[None]:
+def _short_gil_switch_interval(planning: bool = False) -> Iterator[None]:
     """Lower the interpreter's switch interval while any writer is busy (``planning``: while any
-    planner is, to ``PLAN_GIL_SWITCH_INTERVAL_SECS``; ``at_most``: to that many seconds, for other
-    callers such as a restore verifying on the GPU); restore it after the last."""
+    planner is, to ``PLAN_GIL_SWITCH_INTERVAL_SECS``); restore it after the last."""
     global _switch_users, _plan_users, _switch_saved
     with _switch_lock:
-        if _switch_users == 0 and _plan_users == 0 and not _other_limits:
+        if _switch_users == 0 and _plan_users == 0:
             _switch_saved = sys.getswitchinterval()
-        if at_most is not None:
-            _other_limits.append(at_most)
-        elif planning:
+        if planning:
             _plan_users += 1
         else:
             _switch_users += 1
@@ -296,13 +290,11 @@ def short_gil_switch_interval(planning: bool = False, at_most: float | None = No
         yield
     finally:
         with _switch_lock:
-            if at_most is not None:
-                _other_limits.remove(at_most)
-            elif planning:
+            if planning:
                 _plan_users -= 1
             else:
                 _switch_users -= 1
-            if _switch_users == 0 and _plan_users == 0 and not _other_limits:
+            if _switch_users == 0 and _plan_users == 0:
                 sys.setswitchinterval(_switch_saved)
             else:
                 _apply_switch_interval()

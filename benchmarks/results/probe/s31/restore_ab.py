@@ -98,8 +98,9 @@ def child(d: str, width: int, depth: int) -> None:
     if os.environ.get("PROBE_COLD_MODE") == "old":  # session 30's behaviour in a fresh process
         from checkpointd import bulkcopy, device_crc, device_image
 
-        real_locked = bulkcopy._locked
-        bulkcopy._locked = lambda lock, while_waiting: real_locked(lock, None)
+        if hasattr(bulkcopy, "_locked"):  # s31a-s31c's library (the parse in the wait, measured and removed)
+            real_locked = bulkcopy._locked
+            bulkcopy._locked = lambda lock, while_waiting: real_locked(lock, None)
         device_image.SWITCH_INTERVAL_SECS = 0.0
         device_crc.ROUNDS_BUILT = 0  # a table per file size
         try:  # s31b's library only
@@ -167,14 +168,16 @@ def main() -> None:
     modes = os.environ.get("PROBE_MODES", "old,idle,new,host").split(",")
     from checkpointd import device_image
 
-    real_locked, real_switch = bulkcopy._locked, device_image.SWITCH_INTERVAL_SECS
+    real_locked = getattr(bulkcopy, "_locked", None)  # None: the final library (s31e), without the wait's parse
+    real_switch = getattr(device_image, "SWITCH_INTERVAL_SECS", 0.0)
 
     def ignoring_wait(lock, while_waiting):
         return real_locked(lock, None)
 
     def set_mode(mode: str) -> None:
-        bulkcopy._locked = ignoring_wait if mode == "old" else real_locked
-        device_image.SWITCH_INTERVAL_SECS = real_switch if mode == "new" else 0.0
+        if real_locked is not None:
+            bulkcopy._locked = ignoring_wait if mode == "old" else real_locked
+            device_image.SWITCH_INTERVAL_SECS = real_switch if mode == "new" else 0.0
 
     res: dict = {"state": st, "warm": {m: [] for m in modes}, "cold": []}
     last: dict[str, list[str]] = {}
