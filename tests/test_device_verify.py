@@ -265,7 +265,7 @@ def test_only_cuda_state_asks_for_a_device() -> None:
 @pytest.mark.parametrize("rounds_built", [1, 3, 24])
 def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_built) -> None:
     """Round k's table depends on k alone: one table of ``ROUNDS_BUILT`` rounds serves every smaller file,
-    and a larger file gets its own (session 31: a table per file size cost each file ~2-4 ms)."""
+    and a larger file gets its own."""
     monkeypatch.setattr(device_crc, "ROUNDS_BUILT", rounds_built)
     for levels in (1, 3, 5):
         slice_tab, rounds = device_crc._tables_int32(levels, CPU)

@@ -189,9 +189,10 @@ def kernel_available(device: torch.device) -> bool:
 
 ROUNDS_BUILT = 24
 """Combining rounds whose tables are built at the first use on a device, whatever the file: every file
-up to ``2**24`` lanes (64 GiB) then slices them. Why: a table per file size made each new size cost a
-process's first restore its own NumPy build (~3.4 ms for 20 rounds on the 2-core dev VM, on the
-critical path after that file's upload); all 24 rounds take ~4 ms there, once."""
+up to ``2**24`` lanes (64 GiB) then slices them (a round's table depends on the round alone). Why: a
+table per file size made each new size cost a process's first restore its own NumPy build, after that
+file's upload: in a fresh process on an H200 host (4.83 GB in two files) the second file's CRC took
+6.7-7.0 ms that way, 2.5 ms with the tables built once (RESULTS.md, session 31)."""
 
 
 def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
