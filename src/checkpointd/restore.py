@@ -311,18 +311,19 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     from .commit import read_committed_manifest
 
     manifest = read_committed_manifest(store, step_dir)
-    if manifest.mode == "sharded":  # a distributed save, restored whole into this process
-        from .distributed.assemble import assemble_full_values
+    sharded = manifest.mode == "sharded"  # a distributed save, restored whole into this process
+    # into CUDA tensors, mapped files of a single-process save may be verified on the GPU (their values
+    # then copied from there); a sharded save's pieces are assembled on the host first
+    device = None if sharded else device_image.target_device([e.obj for e in entries])
+    with device_image.verifying_on(device):
+        if sharded:
+            from .distributed.assemble import assemble_full_values
 
-        contents = read_step(store, step_dir, manifest, rank=None)
-        values = assemble_full_values(manifest, contents)
-        check_compatible(entries, values, manifest.step)
-        _apply(entries, values)
-        return manifest, contents
-    # into CUDA tensors, mapped files may be verified on the GPU (their values then copied from there)
-    with device_image.verifying_on(device_image.target_device([e.obj for e in entries])):
-        contents = read_step(store, step_dir, manifest)
-        values = values_by_entry(manifest, contents)
+            contents = read_step(store, step_dir, manifest, rank=None)
+            values = assemble_full_values(manifest, contents)
+        else:
+            contents = read_step(store, step_dir, manifest)
+            values = values_by_entry(manifest, contents)
         check_compatible(entries, values, manifest.step)
         _apply(entries, values)
     return manifest, contents
