@@ -19,6 +19,15 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
   snapshot": the persist alone, if the writer does not overlap the snapshot).
 
+Every repetition's files are deleted after it, outside the timed region, and the next repetition
+starts --settle-s (default 1 s) later: a raw row's deletion frees the files' pages at once (tmpfs), but
+the persist process lets go of a deleted checkpoint file's mapping, and so of its pages, only within
+0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause fell inside the next timed
+save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host).
+
+Extra rows (not in the default list): checkpointd_noreserve, the save with CHECKPOINTD_RESERVE_AHEAD=0
+(its files reserved when written, not while the snapshot is taken; ``checkpointd.reserve``).
+
 Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
 every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
 every row alike. "GB/s" is state bytes / best time; "first" is the first repetition; "x raw/round" is
@@ -50,9 +59,21 @@ ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "check
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
+EXTRA_METHODS = ["checkpointd_noreserve"]
+"""Rows run only when --methods names them (comparisons for one change)."""
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
-              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
+              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"},
+              "checkpointd_noreserve": {"CHECKPOINTD_RESERVE_AHEAD": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
+
+
+SETTLE_S = 1.0
+
+
+def settle() -> None:
+    """The pause after a repetition's files were deleted (``--settle-s``)."""
+    if SETTLE_S > 0:
+        time.sleep(SETTLE_S)
 
 
 def host_mirror(ts: list[torch.Tensor], dev: C.Dev) -> list[torch.Tensor]:
@@ -102,6 +123,7 @@ def raw_row(root: str, views, method: str, overwrite: bool = False, **kw) -> Row
         dt, _ = C.raw_write(d, views, truncate=not overwrite, **kw)
         if not overwrite:
             shutil.rmtree(d, ignore_errors=True)
+            settle()
         return dt
 
     row = Row(method, "raw_overwrite" if overwrite else "raw", once)
@@ -240,6 +262,7 @@ class CheckpointdRow(Row):
         row["disk_bytes"] = sum(C.dir_bytes(x) for x in sd)
         row["stats"] = C.safe_stats(self.mgr)
         self._clear()
+        settle()
         return dt[0]
 
     def _save(self) -> tuple[float, float, float]:
@@ -369,12 +392,14 @@ def parse_args(argv=None):
                    help="cpu: pinned CPU tensors (default); device: the state lives on the GPU (save includes D2H)")
     p.add_argument("--dirs", default=C.env_str("PERSIST_DIRS", "/dev/shm/ckd-persist,/var/tmp/ckd-persist"),
                    help="comma list of target directories (each is created and removed)")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS + EXTRA_METHODS))
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"), help="thread counts for raw writes")
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2), help="repetitions of a row in each round")
     p.add_argument("--rounds", type=int, default=C.env_int("ROUNDS", 1),
                    help="passes over all rows, interleaved (round 1 of every row, then round 2, ...): use 3 or more "
                         "on disks whose speed drifts during a run")
+    p.add_argument("--settle-s", type=float, default=C.env_float("SETTLE_S", 1.0),
+                   help="pause after each repetition's files are deleted (see the docstring)")
     p.add_argument("--keep-files", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckd-kwargs", default=C.env_str("CKD_KWARGS", None), help="JSON object of extra CheckpointManager kwargs")
     C.add_prefault_arg(p)
@@ -384,13 +409,15 @@ def parse_args(argv=None):
         a.D, a.L = a.D or 256, a.L or 2
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in a.methods:
-        if m not in ALL_METHODS:
+        if m not in ALL_METHODS + EXTRA_METHODS:
             p.error(f"unknown method {m!r}")
     return a
 
 
 def main(argv=None):
+    global SETTLE_S
     args = parse_args(argv)
+    SETTLE_S = args.settle_s
     dev = C.Dev(cpu=args.cpu)
     info = C.env_info(dev)
     info["prefault"] = C.prefault_host_memory(args.prefault_gb, dev)

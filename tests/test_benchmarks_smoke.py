@@ -85,7 +85,8 @@ def test_slow_step_profile_sets_slow_steps_against_the_rest() -> None:
 def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "persist.json"
     proc = _run("bench_persist.py", "--cpu", "--tiny", "--repeat", "1", "--rounds", "2", "--raw-threads", "1,2", "--dirs",
-                str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd", "--json", str(out))
+                str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd,checkpointd_noreserve", "--settle-s", "0",
+                "--json", str(out))
     data = json.loads(out.read_text())
     rows = [r for d in data["dirs"] for r in d.get("rows", [])]
     methods = {r["method"] for r in rows}
@@ -93,6 +94,8 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     for r in rows:  # every row timed once in each of the two interleaved rounds
         assert "error" not in r, r["error"]
         assert r["rounds"] == [0, 1] and len(r["times_s"]) == 2, (r["method"], r["rounds"])
+    assert "checkpointd_noreserve" in methods
+    assert next(r for r in rows if r["method"] == "checkpointd_noreserve")["notes"] == ["CHECKPOINTD_RESERVE_AHEAD=0"]
     ckd = next(r for r in rows if r["method"] == "checkpointd")
     assert ckd["stats"]["saves_committed"] == 3 and ckd["warmup_s"] > 0  # one manager: a warm-up, then a save a round
     assert "x raw/round" in proc.stdout
@@ -175,7 +178,9 @@ def test_bench_stall_dist_cpu_smoke(tmp_path: Path) -> None:
         assert "error" not in io and len(io["persist_s"]) == 3, io.get("error")
     assert "stall ms mean [min, max]" in proc.stdout
     for rank, rows in enumerate(data["interleaved_by_rank"]):  # checkpointd ran twice between `none` runs
-        ckd = next(r for r in rows if r["method"] == "checkpointd")
+        assert "checkpointd_noreserve" in methods
+    assert next(r for r in rows if r["method"] == "checkpointd_noreserve")["notes"] == ["CHECKPOINTD_RESERVE_AHEAD=0"]
+    ckd = next(r for r in rows if r["method"] == "checkpointd")
         assert ckd["runs"] == 2 and ckd["n"] == 6 and ckd["ci95_ms"] >= 0
         assert f"interleaved, rank {rank}:" in proc.stdout
 

@@ -52,12 +52,35 @@ def _mounts() -> tuple[tuple[str, str], ...]:
 
 
 def filesystem_type(path: str) -> str | None:
-    """The type (``"tmpfs"``, ``"ext4"``, ...) of the filesystem holding ``path``; None if unknown."""
+    """The type (``"tmpfs"``, ``"ext4"``, ...) of the filesystem holding ``path``; None if unknown.
+
+    The mount table is read once and read again when it does not match the path's device (a file
+    system mounted or unmounted since: a job that mounts its checkpoint tmpfs after starting, a test's).
+    """
     real = os.path.realpath(path)
+    found = _mount_of(real)
+    if found is not None and not _same_device(real, found[0]):
+        _mounts.cache_clear()
+        found = _mount_of(real)
+    return found[1] if found is not None else None
+
+
+def _mount_of(real: str) -> tuple[str, str] | None:
     for mount_point, fstype in _mounts():
         if real == mount_point or real.startswith(mount_point.rstrip("/") + "/"):
-            return fstype
+            return mount_point, fstype
     return None
+
+
+def _same_device(path: str, mount_point: str) -> bool:
+    """Whether ``path`` (or, not made yet, its nearest existing parent below ``mount_point``) is on the
+    device mounted at ``mount_point``; True where that cannot be read."""
+    while not os.path.lexists(path) and len(path) > len(mount_point):
+        path = os.path.dirname(path)
+    try:
+        return os.stat(path).st_dev == os.stat(mount_point).st_dev
+    except OSError:
+        return True
 
 
 def fd_filesystem_type(fd: int) -> str | None:

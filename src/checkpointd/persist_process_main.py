@@ -11,10 +11,11 @@ as ``SCM_RIGHTS``). Requests:
 
 - ``("map", slab_id, nbytes)`` + the slab's memfd: map it (kept until ``unmap``);
 - ``("unmap", slab_id)``;
-- ``("write", request_id, end, mode, lanes, tasks, writeback)`` + the open file: put every range of
+- ``("write", request_id, end, mode, lanes, tasks, writeback, reserved)`` + the open file: put every range of
   ``tasks`` (lists of ``(file_offset, slab_id, slab_offset, length)``) into the file, by ``pwrite`` or
   through a mapping of it (``mode`` ``mmap``; the file is first reserved up to ``end`` with
-  ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS), ``lanes`` tasks at a time, computing
+  ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS; not again where the requester says it
+  is ``reserved`` already), ``lanes`` tasks at a time, computing
   each range's CRC-32 slice by slice just before the slice is put; with ``writeback``, the disk is
   started on each range once it is in (``sync_file_range``, see ``checkpointd.fsinfo.early_writeback``). Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
   errno, text)`` or ``("error", request_id, text)``;
@@ -303,7 +304,8 @@ class Server:
     def write(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, lanes, tasks = message[:6]
         writeback = bool(message[6]) if len(message) > 6 else False
-        self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback))
+        reserved = bool(message[7]) if len(message) > 7 else False
+        self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback, reserved))
 
     def attach(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, writeback = message[:5]
@@ -391,15 +393,17 @@ class Server:
             if track:
                 self.writes.discard(threading.current_thread())
 
-    def _open(self, fd: int, end: int, mode: str, writeback: bool
+    def _open(self, fd: int, end: int, mode: str, writeback: bool, reserved: bool = False
               ) -> tuple[Callable[[_Slab, int, int, int], None], Callable[[int, int], None] | None, _KeptFile | None]:
         """How to put bytes into ``fd`` (``put(slab, start, n, offset)``), its writeback starter and the
-        mapping checked out for it (``mmap`` mode; the caller checks it in when done)."""
+        mapping checked out for it (``mmap`` mode; the caller checks it in when done). ``reserved``: the
+        requester reserved ``[0, end)`` already."""
         kept = None
         if mode == "mmap" and end > 0:
             # Reserved first, so a full disk is ENOSPC here and never SIGBUS in a copy. (Reserving each
             # range with MADV_POPULATE_WRITE from the lanes instead was 3x slower on an H200 host's tmpfs.)
-            os.posix_fallocate(fd, 0, end)
+            if not reserved:
+                os.posix_fallocate(fd, 0, end)
             kept = self._checkout(fd, end)
         if kept is not None:
             base = kept.base
@@ -412,10 +416,11 @@ class Server:
 
         return put, self.writeback_starter(fd) if writeback else None, kept
 
-    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool) -> list[list[int]]:
+    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool,
+               reserved: bool = False) -> list[list[int]]:
         self._count_saving(1)
         try:
-            put, written, kept = self._open(fd, end, mode, writeback)
+            put, written, kept = self._open(fd, end, mode, writeback, reserved)
             try:
                 return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
             finally:

@@ -95,7 +95,7 @@ def library_saves(root, model, opt, dev, saves, env, pause):
             ls = dict(mgr.stats().get("last_save") or {})
             rec = {"step": step, "total": t1 - t0, "block": tb - t0, "snapshot": ts - t0,
                    "write": ls.get("write_secs"), "plan": ls.get("plan_secs"), "stage_wait": ls.get("stage_wait_secs"),
-                   "recycled": ls.get("files_recycled")}
+                   "recycled": ls.get("files_recycled"), "reserve": ls.get("reserve_secs")}
             tc = time.perf_counter()
             for x in os.listdir(root):
                 if x.startswith("step-"):
@@ -121,6 +121,7 @@ VARIANTS = {
     "noahead": ({"CHECKPOINTD_FILES_AHEAD": "0"}, 0.0),
     "noahead_pause": ({"CHECKPOINTD_FILES_AHEAD": "0"}, 1.5),
     "default_pause": ({}, 1.5),
+    "noreserve_pause": ({"CHECKPOINTD_FILES_AHEAD": "0", "CHECKPOINTD_RESERVE_AHEAD": "0"}, 1.5),
 }
 
 
