@@ -35,8 +35,9 @@ logger = logging.getLogger("checkpointd")
 
 RESERVE_ENV = "CHECKPOINTD_RESERVE_AHEAD"
 """``0`` turns the reservation ahead off (files are reserved when they are written, as before)."""
-RESERVE_THREADS = 4
-"""Files reserved at once (a save has a model and an optimizer file, plus small ones that need none)."""
+RESERVE_THREADS = 2
+"""Files reserved at once (a save has a model and an optimizer file, plus small ones that need none);
+the CPU copies beside them leave as many cores free (``savejob._CpuCopies``)."""
 MIN_RESERVE_BYTES = 16 << 20
 """Smaller files are created when written: reserving them ahead saves nothing worth a thread."""
 

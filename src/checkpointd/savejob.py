@@ -13,12 +13,13 @@ needs only their layout. ``before_write`` then lays out the chunk stream in each
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ from . import __version__, layout
 from .manifest import EntryLocation, Manifest
 from .serialize import ReductionCache, plan_pt
 from .chunkstream import ChunkStream
+from .reserve import RESERVE_THREADS
 from .snapshot import StagedTensors, Snapshotter, TensorSpec, copy_cpu_pairs, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree
 from .writer import PARALLEL_WRITE_ENV, AbandonedSave, FileJob, SaveJob
@@ -306,6 +308,31 @@ def _deferred_slots(skeletons: list[Any]) -> set[int]:
     return out
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _intra_op_threads_at_most(limit: int) -> Iterator[None]:
+    """At most ``max(1, limit)`` intra-op threads for the block (torch's setting put back after it)."""
+    before = torch.get_num_threads()
+    lowered = False
+    if before > max(1, limit):
+        try:
+            torch.set_num_threads(max(1, limit))
+            lowered = True
+        except RuntimeError:  # a parallel backend that cannot change now: copy with what there is
+            pass
+    try:
+        yield
+    finally:
+        if lowered:
+            torch.set_num_threads(before)
+
+
 class _CpuCopies:
     """The CPU tensors' snapshot copies that ``maybe_save`` makes after submitting the job (training
     thread, :meth:`run`), and the committer's wait for them (:meth:`wait`)."""
@@ -316,9 +343,16 @@ class _CpuCopies:
         self._error: BaseException | None = None
 
     def run(self) -> None:
-        """Make the copies; on failure the job ends with :class:`AbandonedSave` and this raises the cause."""
+        """Make the copies; on failure the job ends with :class:`AbandonedSave` and this raises the cause.
+
+        With at most as many intra-op threads as cores the reservations leave: torch's copies are
+        parallel regions that end with their slowest thread, and a thread sharing its core with a
+        reservation made them 3-5x slower (H200 host, 4.83 GB: 0.41-0.68 s against 0.13-0.20 s,
+        ``benchmarks/RESULTS.md``, session 32).
+        """
         try:
-            copy_cpu_pairs(self._pairs)
+            with _intra_op_threads_at_most(_cores() - RESERVE_THREADS):
+                copy_cpu_pairs(self._pairs)
         except BaseException as exc:
             self._error = exc
             raise
