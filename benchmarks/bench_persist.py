@@ -25,8 +25,9 @@ the persist process lets go of a deleted checkpoint file's mapping, and so of it
 0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause fell inside the next timed
 save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host).
 
-Extra rows (not in the default list): checkpointd_noreserve, the save with CHECKPOINTD_RESERVE_AHEAD=0
-(its files reserved when written, not while the snapshot is taken; ``checkpointd.reserve``).
+Extra rows (not in the default list): checkpointd_nopipeline, the save with CHECKPOINTD_RESERVE_PIPELINE=0
+(the persist process reserves each mapped file whole before copying into it, not range by range beside
+the copies; ``persist_process_main._Reserver``).
 
 Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
 every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
@@ -59,11 +60,11 @@ ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "check
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
-EXTRA_METHODS = ["checkpointd_noreserve"]
+EXTRA_METHODS = ["checkpointd_nopipeline"]
 """Rows run only when --methods names them (comparisons for one change)."""
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
               "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"},
-              "checkpointd_noreserve": {"CHECKPOINTD_RESERVE_AHEAD": "0"}}
+              "checkpointd_nopipeline": {"CHECKPOINTD_RESERVE_PIPELINE": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointTimeoutError
-from .writer import AbandonedSave, SaveJob
+from .writer import SaveJob
 
 
 @dataclass
@@ -55,17 +55,14 @@ class InFlight:
         with self._lock:
             return set(self._steps)
 
-    def add(self, job: SaveJob) -> None:
-        self.counters.saves_started += 1
-        with self._lock:
-            self._jobs.append(job)
-            self._steps.add(job.step)
-
-    def record_snapshot(self, snapshot_secs: float) -> None:
-        """The time ``maybe_save`` spent on the latest save (snapshot included)."""
+    def add(self, job: SaveJob, snapshot_secs: float) -> None:
         c = self.counters
         c.snapshot_secs_last = snapshot_secs
         c.snapshot_secs_total += snapshot_secs
+        c.saves_started += 1
+        with self._lock:
+            self._jobs.append(job)
+            self._steps.add(job.step)
 
     def oldest(self) -> SaveJob | None:
         with self._lock:
@@ -101,8 +98,7 @@ class InFlight:
                     self.last_committed_job = job
                 else:
                     self.counters.saves_failed += 1
-                    if not isinstance(exc, AbandonedSave):  # maybe_save raised its cause already
-                        self._failures.append((job, exc))
+                    self._failures.append((job, exc))
 
     def pop_failure(self) -> tuple[SaveJob, BaseException] | None:
         self.collect()

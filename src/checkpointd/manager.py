@@ -199,7 +199,6 @@ class CheckpointManager:
         # not here: pinning gigabytes in the background makes a restore that runs meanwhile read files
         # several times slower (page faults and cudaHostRegister contend), and a restore comes first.
         self._buffers_pending = True
-        self._reserve_ahead: bool | None = None
         self._files_ahead: Any = None
         """Blank files for the first saves (``recycle.FilesAhead``), made with the staging buffers; False: none."""
 
@@ -258,28 +257,16 @@ class CheckpointManager:
         job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
                          mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
                          codec_name=self._codec.name, locations=locations, extra=extra,
-                         clear_step_dir=self._clear_step_dir, reserve_ahead=self._reserves_ahead())
+                         clear_step_dir=self._clear_step_dir)
         job.after_commit = self._after_commit
         job.fast = preempted or ptlayout.fast_persist()  # the grace period waits for a preemption save
-        self._inflight.add(job)
+        self._inflight.add(job, time.perf_counter() - t0)
         self._writer.submit(job)
-        if job.copy_cpu is not None:  # the committer plans and reserves the files meanwhile
-            job.copy_cpu()  # a failure ends the job (AbandonedSave) and is raised here, once
-        self._inflight.record_snapshot(time.perf_counter() - t0)
         self._schedule.mark_saved()
         if preempted:
             self._preemption.save_pending = False
             logger.warning("checkpointd: %s received; saving step %d now", self._preemption.received.name, step)
         return True
-
-    def _reserves_ahead(self) -> bool:
-        """Whether saves create and reserve their files while the snapshot is taken (:mod:`checkpointd.reserve`):
-        single-process saves to a memory file system. Decided at the first save (the root exists then)."""
-        if self._reserve_ahead is None:
-            from . import reserve
-
-            self._reserve_ahead = self._dist is None and reserve.applies(self._store, self._codec)
-        return self._reserve_ahead
 
     def save(self, step: int, *, metrics: Mapping[str, Any] | None = None) -> None:
         """``maybe_save(step, force=True)``."""

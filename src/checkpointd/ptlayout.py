@@ -522,15 +522,13 @@ FillFn = Callable[[dict[str, Piece], Callable[[Any, int], None], Callable[[int, 
 
 def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 executor: Executor | None = None, mode: str | None = None, fill: FillFn | None = None,
-                fast: bool = False, reserved: bool = False) -> WriteResult:
+                fast: bool = False) -> WriteResult:
     """Write ``img`` into the open file ``fd`` (from offset ``img.origin``) from many threads.
 
     The caller owns ``fd`` (opening, fsync, closing, removal on failure). ``mode``: see the module
     docstring (None reads ``CHECKPOINTD_WRITE_MODE``). ``fill`` writes the :class:`Deferred` members.
     ``fast``: a save nobody trains beside (see :data:`FAST_PERSIST_ENV`): a mapping on memory file
     systems (``auto``) unless ``mode`` says otherwise, and then every I/O thread on this file.
-    ``reserved``: ``fd`` is reserved up to ``img.end`` already (``posix_fallocate`` done: a mapped
-    write does not walk its pages again).
     """
     os.ftruncate(fd, img.end)
     data = img.data_pieces()
@@ -546,8 +544,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     if chosen == "mmap" and img.end > 0:
         import numpy as np
 
-        if not reserved:
-            os.posix_fallocate(fd, 0, img.end)  # ENOSPC here, never SIGBUS while copying
+        os.posix_fallocate(fd, 0, img.end)  # ENOSPC here, never SIGBUS while copying
         try:
             mapped = mmap.mmap(fd, img.end, access=mmap.ACCESS_WRITE)
         except (PermissionError, ValueError):  # a write-only descriptor cannot be mapped: positional writes
@@ -566,7 +563,7 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     def make(task: list[tuple[Piece, int, int]]) -> Callable[[], list[int]]:
         return lambda: _put_task(put, [(p.offset + a, p.data[a:b]) for p, a, b in task], written)
 
-    remote = shared.submit(fd, img.end, mode, written is not None, reserved) if shared.tasks else None
+    remote = shared.submit(fd, img.end, mode, written is not None) if shared.tasks else None
     try:
         # Every thread on one file only into a mapping: positional writes to one file serialise on its
         # inode lock, and 16 threads wrote one tmpfs file slower than 4 (see write_lanes).
@@ -606,6 +603,16 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         crc = crc32_combine(crc, p.crc, p.length)  # type: ignore[arg-type]
     raw = sum(p.length for p in data)
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
+
+
+RESERVE_PIPELINE_ENV = "CHECKPOINTD_RESERVE_PIPELINE"
+"""``1`` (default): the persist process reserves a mapped file range by range beside the copies into it;
+``0``: the whole file first, then the copies (``persist_process_main._Reserver`` says why). Read at each
+write, so that a benchmark can compare the two in one process."""
+
+
+def reserve_pipelined() -> bool:
+    return os.environ.get(RESERVE_PIPELINE_ENV, "1").strip() != "0"
 
 
 def persist_mode(fd: int, mode: str | None = None) -> tuple[str, int]:
@@ -659,17 +666,16 @@ class _SharedPieces:
         self.ranges = [[(p.offset + a, where[id(p)][0].id, where[id(p)][1] + a, b - a) for p, a, b in task]
                        for task in self.tasks]
 
-    def submit(self, fd: int, end: int, mode: str | None, writeback: bool = False, reserved: bool = False) -> Any:
+    def submit(self, fd: int, end: int, mode: str | None, writeback: bool = False) -> Any:
         """Send the tasks; ``mode`` as :func:`write_image`'s (None: a mapping on memory file systems);
-        ``writeback``: the process starts the disk on each range it has written (:func:`fsinfo.early_writeback`);
-        ``reserved``: ``[0, end)`` is reserved already (no second ``posix_fallocate``)."""
+        ``writeback``: the process starts the disk on each range it has written (:func:`fsinfo.early_writeback`)."""
         from . import persist_process
 
         chosen, lanes = persist_mode(fd, mode)
         assert self.process is not None
         try:
             return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()), writeback,
-                                             reserved)
+                                             reserve_pipelined())
         except persist_process.PersistProcessError as exc:
             failed: Future[Any] = Future()
             failed.set_exception(exc)
@@ -744,28 +750,20 @@ def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:
 
 def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None,
-               fast: bool = False, recycle_from: str | None = None, reserved: Any = None) -> WriteResult:
+               fast: bool = False, recycle_from: str | None = None) -> WriteResult:
     """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
 
     On any failure the partial file is removed and the error raised. ``fill``, ``fast``: see :func:`write_image`.
     ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it becomes
-    ``path`` and is written over (:func:`write_image` sets its size first). ``reserved``: the file as
-    :func:`checkpointd.reserve.reserve_file` created (or took) it for ``path``, being reserved; written
-    once its reservation ended, closed here (``recycle_from`` is then not used).
+    ``path`` and is written over (:func:`write_image` sets its size first).
     """
-    if reserved is not None:
-        fd, recycled = reserved.fd, reserved.recycled
-    else:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)  # RDWR: mmap mode
-        recycled = recycle_from is not None and recycle.take(recycle_from, path, img.end)
-        if not recycled:
-            flags |= os.O_TRUNC
-        fd = os.open(path, flags, 0o644)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)  # RDWR: mmap mode
+    recycled = recycle_from is not None and recycle.take(recycle_from, path, img.end)
+    if not recycled:
+        flags |= os.O_TRUNC
+    fd = os.open(path, flags, 0o644)
     try:
-        if reserved is not None:
-            reserved.wait()  # ENOSPC: raised here, the file removed below
-        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast,
-                             reserved=reserved is not None and not reserved.recycled and reserved.nbytes >= img.end)
+        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
         result.recycled = recycled
         if durable:
             os.fsync(fd)
@@ -788,5 +786,5 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
     return result
 
 
-__all__ = ["FAST_PERSIST_ENV", "ZipImage", "build_zip", "fast_persist", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
+__all__ = ["FAST_PERSIST_ENV", "RESERVE_PIPELINE_ENV", "ZipImage", "build_zip", "fast_persist", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
            "write_image", "ZIP64_LIMIT"]

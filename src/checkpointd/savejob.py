@@ -13,13 +13,11 @@ needs only their layout. ``before_write`` then lays out the chunk stream in each
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,10 +25,9 @@ from . import __version__, layout
 from .manifest import EntryLocation, Manifest
 from .serialize import ReductionCache, plan_pt
 from .chunkstream import ChunkStream
-from .reserve import RESERVE_THREADS
-from .snapshot import StagedTensors, Snapshotter, TensorSpec, copy_cpu_pairs, tensor_spec
+from .snapshot import StagedTensors, Snapshotter, TensorSpec, tensor_spec
 from .state import DeferredScalar, Entry, FileContent, copy_tree
-from .writer import PARALLEL_WRITE_ENV, AbandonedSave, FileJob, SaveJob
+from .writer import PARALLEL_WRITE_ENV, FileJob, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
@@ -179,21 +176,16 @@ def stage_save(
     locations: dict[str, EntryLocation] | None,
     extra: dict[str, Any],
     clear_step_dir: Callable[[str], None],
-    reserve_ahead: bool = False,
 ) -> SaveJob:
     """Snapshot every tensor of ``files`` (training thread) and return the job that writes them.
 
     Args:
         clear_step_dir: called on the committer thread before any file is written (removes an
             uncommitted leftover of the same step).
-        reserve_ahead: the committer creates and reserves the planned files before it waits for the
-            copies (:mod:`checkpointd.reserve`); the CPU tensors' copies are then left to the caller
-            (``job.copy_cpu``, to run right after submitting the job), so they run beside it.
     """
     skeletons, tensors = collect_tensors([f.tree for f in files])
     order, n_buffers = buffers_first(entries, tensors)
-    staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers,
-                                           defer_cpu=reserve_ahead)
+    staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
     staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for pos, i in enumerate(order):
         staged[i] = staged_in_order.staged[pos]
@@ -233,26 +225,12 @@ def stage_save(
         # copied values: such files are pickled after the wait.
         plan_files(copied=False)
 
-    cleared: list[bool] = []
-
-    def clear_once() -> None:  # committer thread: before the first file is reserved or written
-        if not cleared:
-            cleared.append(True)
-            clear_step_dir(step_dir)
-
-    cpu_copies = _CpuCopies(staged_in_order.cpu_pairs) if staged_in_order.cpu_pairs else None
-
     def before_write() -> None:  # committer thread
-        if cpu_copies is not None:
-            cpu_copies.wait()
         staged_in_order.copies.wait_host(grace_secs=ENQUEUE_GRACE_SECS)
-        clear_once()
+        clear_step_dir(step_dir)
         plan_files()
 
     job.before_write = before_write
-    job.clear_dir = clear_once
-    job.reserve_ahead = reserve_ahead
-    job.copy_cpu = cpu_copies.run if cpu_copies is not None else None
     job.plan_files = plan_ahead
     if staged_in_order.copies.defer_planning:
         job.plan_when = staged_in_order.copies.training_waits.wait
@@ -306,64 +284,6 @@ def _deferred_slots(skeletons: list[Any]) -> set[int]:
     for sk in skeletons:
         visit(sk)
     return out
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def _intra_op_threads_at_most(limit: int) -> Iterator[None]:
-    """At most ``max(1, limit)`` intra-op threads for the block (torch's setting put back after it)."""
-    before = torch.get_num_threads()
-    lowered = False
-    if before > max(1, limit):
-        try:
-            torch.set_num_threads(max(1, limit))
-            lowered = True
-        except RuntimeError:  # a parallel backend that cannot change now: copy with what there is
-            pass
-    try:
-        yield
-    finally:
-        if lowered:
-            torch.set_num_threads(before)
-
-
-class _CpuCopies:
-    """The CPU tensors' snapshot copies that ``maybe_save`` makes after submitting the job (training
-    thread, :meth:`run`), and the committer's wait for them (:meth:`wait`)."""
-
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._pairs = pairs
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        """Make the copies; on failure the job ends with :class:`AbandonedSave` and this raises the cause.
-
-        With at most as many intra-op threads as cores the reservations leave: torch's copies are
-        parallel regions that end with their slowest thread, and a thread sharing its core with a
-        reservation made them 3-5x slower (H200 host, 4.83 GB: 0.41-0.68 s against 0.13-0.20 s,
-        ``benchmarks/RESULTS.md``, session 32).
-        """
-        try:
-            with _intra_op_threads_at_most(_cores() - RESERVE_THREADS):
-                copy_cpu_pairs(self._pairs)
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self._pairs = []
-            self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise AbandonedSave(f"the snapshot's copy of CPU tensors failed: {type(self._error).__name__}: {self._error}")
 
 
 class _NeedsCopiedValue(Exception):

@@ -497,13 +497,6 @@ class PendingCopies:
             self.all_done.synchronize()
 
 
-def copy_cpu_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each CPU source into its staging buffer (torch spreads each copy over its intra-op threads)."""
-    with torch.no_grad():  # no autograd here, so the sources need no detach()
-        for src, dst in pairs:
-            dst.copy_(src)
-
-
 @dataclass
 class StagedTensors:
     staged: list[torch.Tensor]
@@ -512,9 +505,6 @@ class StagedTensors:
     """PendingCopies, or a ChunkStream under a host budget."""
     streamed: dict[int, int] = field(default_factory=dict)
     """Host budget: position in ``staged`` (a placeholder) -> source index in the ChunkStream."""
-    cpu_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """``snapshot(defer_cpu=True)``: the (source, buffer) pairs of CPU tensors not copied yet; the
-    caller copies them (:func:`copy_cpu_pairs`) on the training thread before ``maybe_save`` returns."""
 
 
 class Snapshotter:
@@ -752,14 +742,10 @@ class Snapshotter:
         return self._ring
 
     # -- copying ---------------------------------------------------------------------------------
-    def snapshot(self, tensors: Sequence[torch.Tensor], n_buffer_tensors: int = 0,
-                 defer_cpu: bool = False) -> StagedTensors:
+    def snapshot(self, tensors: Sequence[torch.Tensor], n_buffer_tensors: int = 0) -> StagedTensors:
         """Copy ``tensors`` into an arena; the first ``n_buffer_tensors`` are module buffers (copied first).
 
-        Returns at once on CUDA (copies queued on a side stream); synchronous otherwise, unless
-        ``defer_cpu``: then the CPU tensors' copies are left to the caller (``StagedTensors.cpu_pairs``),
-        who must make them before any of those tensors can change (the manager makes them right after
-        handing the save to the committer, which plans the files meanwhile). Not under a host budget.
+        Returns at once on CUDA (copies queued on a side stream); synchronous otherwise.
         """
         specs = tuple(tensor_spec(t) for t in tensors)
         on_cuda = [t.is_cuda for t in tensors]
@@ -772,10 +758,10 @@ class Snapshotter:
         arena = self._acquire(specs, pin=self.cuda and any(on_cuda))
         staged = list(arena.buffers)
         device_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
-        cpu_pairs = [(t, staged[i]) for i, t in enumerate(tensors) if not on_cuda[i]]
-        if not defer_cpu:
-            copy_cpu_pairs(cpu_pairs)
-            cpu_pairs = []
+        with torch.no_grad():  # no autograd here, so the sources need no detach()
+            for i, t in enumerate(tensors):
+                if not on_cuda[i]:
+                    staged[i].copy_(t)
         copies = PendingCopies()
         if device_idx:
             device = tensors[device_idx[0]].device
@@ -790,7 +776,7 @@ class Snapshotter:
             if clone is not None:
                 self._last_device_copies = copies
             self._inflight.append(copies)
-        return StagedTensors(staged=staged, arena=arena, copies=copies, cpu_pairs=cpu_pairs)
+        return StagedTensors(staged=staged, arena=arena, copies=copies)
 
     def _snapshot_streamed(self, tensors: Sequence[torch.Tensor], specs: tuple[TensorSpec, ...],
                            n_buffer_tensors: int) -> StagedTensors:

@@ -29,12 +29,6 @@ from .storage import Store
 logger = logging.getLogger("checkpointd")
 
 
-class AbandonedSave(Exception):
-    """A save the training thread gave up on inside ``maybe_save`` (its snapshot's CPU copies failed
-    there, and ``maybe_save`` raised that failure): the job ends with this, which is counted as a
-    failed save but not raised again (``checkpointd.inflight``)."""
-
-
 @dataclass
 class FileJob:
     """One file of a save: its plan (pickle + staged tensor storages) and format."""
@@ -53,9 +47,6 @@ class FileJob:
     """Set by the write: the file was written over one taken from the recycling bin (retired, or blank
     made ahead), not created. Why kept: whether a save found its files is what decides its write speed
     on tmpfs (``stats()["last_save"]["files_recycled"]``)."""
-    reserved: Any = None
-    """The file created and being reserved ahead of its write (``checkpointd.reserve.ReservedFile``),
-    handed to the write once; None where it is created when written."""
 
 
 @dataclass
@@ -83,16 +74,6 @@ class SaveJob:
     None: plan at once."""
     fast: bool = False
     """Write every file at full speed (a preemption save, ``CHECKPOINTD_PERSIST=fast``), not gently."""
-    reserve_ahead: bool = False
-    """Create and reserve the planned files before ``before_write`` waits for the copies
-    (:mod:`checkpointd.reserve`; the manager decides where it applies)."""
-    clear_dir: Callable[[], None] | None = None
-    """Removes an uncommitted leftover of the step directory (once; ``before_write`` calls it too):
-    run before files are reserved in it."""
-    copy_cpu: Callable[[], None] | None = None
-    """The snapshot's copies of CPU tensors, run by the training thread inside ``maybe_save`` once the
-    job is submitted, so that the committer plans and reserves the files meanwhile (``before_write``
-    waits for them). None: made before the job was built (or nothing to copy)."""
     future: Future = field(default_factory=Future)
     timings: dict[str, float] = field(default_factory=dict)
     written_bytes: int = 0
@@ -133,22 +114,14 @@ class BackgroundWriter(SerialWorker):
 
     def _process(self, job: SaveJob) -> None:
         try:
-            try:
-                self.plan_job(job)
-                if job.reserve_ahead:
-                    self.reserve_files(job)
-                t0 = time.perf_counter()
-                job.before_write()
-            except BaseException:
-                job.after_files()
-                raise
-            job.timings["stage_wait_secs"] = time.perf_counter() - t0
-            error = self.write_files(job)
-        finally:
-            for fjob in job.files:  # reserved and never handed to a write (a failure before it)
-                if fjob.reserved is not None:
-                    fjob.reserved, reserved = None, fjob.reserved
-                    reserved.discard()
+            self.plan_job(job)
+            t0 = time.perf_counter()
+            job.before_write()
+        except BaseException:
+            job.after_files()
+            raise
+        job.timings["stage_wait_secs"] = time.perf_counter() - t0
+        error = self.write_files(job)
         if error is not None:
             raise error
         t2 = time.perf_counter()
@@ -179,24 +152,6 @@ class BackgroundWriter(SerialWorker):
                 if parallel_write_applies(self.store, self.codec, fjob):
                     fjob.image = file_image(fjob)
         job.timings["plan_secs"] = time.perf_counter() - t0
-
-    def reserve_files(self, job: SaveJob) -> None:
-        """Create the planned files and start reserving them (:mod:`checkpointd.reserve`), after
-        clearing a leftover of the step: the reservations run while ``before_write`` waits for the copies."""
-        from . import reserve
-
-        targets = [f for f in job.files if f.image is not None and f.reserved is None]
-        if not targets:
-            return
-        t0 = time.perf_counter()
-        if job.clear_dir is not None:
-            job.clear_dir()
-        bin_dir = recycle.bin_for(self.store)
-        for fjob in targets:
-            rel = layout.join(job.step_dir, fjob.rel_path)
-            self.store.makedirs(rel.rsplit("/", 1)[0] if "/" in rel else "")
-            fjob.reserved = reserve.reserve_file(self.store.path(rel), fjob.image.end, bin_dir)
-        job.timings["reserve_secs"] = time.perf_counter() - t0
 
     def write_files(self, job: SaveJob) -> BaseException | None:
         """Write every file of ``job`` in parallel; returns the first failure (None if all succeeded).
@@ -428,9 +383,8 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     fjob.image = None  # an image is written once (its pieces record CRCs); a retry lays it out again
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
-    reserved, fjob.reserved = fjob.reserved, None  # used once: a retry creates the file again
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fast, recycle_from=recycle.bin_for(store), reserved=reserved)
+                                 fast=fast, recycle_from=recycle.bin_for(store))
     fjob.recycled = result.recycled
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)

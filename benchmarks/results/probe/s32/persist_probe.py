@@ -10,6 +10,9 @@ variants: the defaults, no blank files ahead (CHECKPOINTD_FILES_AHEAD=0), and th
 after the removal (the persist process lets go of a deleted file's mapping, and so its pages, within
 0.5 s: without a pause that happens inside the next timed save).
 
+s32b-s32c ran it against the reservation ahead (since removed; variant noreserve_pause), s32d against
+the pipelined reservation in the persist process (noahead_pause: pipelined, the default; nopipe_pause: not).
+
 Run: python persist_probe.py [--gb 5] [--root /dev/shm/ckd-s32] [--saves 5] [--variants a,b,c] [--json out]
 """
 from __future__ import annotations
@@ -121,7 +124,8 @@ VARIANTS = {
     "noahead": ({"CHECKPOINTD_FILES_AHEAD": "0"}, 0.0),
     "noahead_pause": ({"CHECKPOINTD_FILES_AHEAD": "0"}, 1.5),
     "default_pause": ({}, 1.5),
-    "noreserve_pause": ({"CHECKPOINTD_FILES_AHEAD": "0", "CHECKPOINTD_RESERVE_AHEAD": "0"}, 1.5),
+    "noreserve_pause": ({"CHECKPOINTD_FILES_AHEAD": "0", "CHECKPOINTD_RESERVE_AHEAD": "0"}, 1.5),  # s32b-s32c
+    "nopipe_pause": ({"CHECKPOINTD_FILES_AHEAD": "0", "CHECKPOINTD_RESERVE_PIPELINE": "0"}, 1.5),  # s32d
 }
 
 
