@@ -25,10 +25,6 @@ the persist process lets go of a deleted checkpoint file's mapping, and so of it
 0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause fell inside the next timed
 save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host).
 
-Extra rows (not in the default list): checkpointd_nopipeline, the save with CHECKPOINTD_RESERVE_PIPELINE=0
-(the persist process reserves each mapped file whole before copying into it, not range by range beside
-the copies; ``persist_process_main._Reserver``).
-
 Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
 every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
 every row alike. "GB/s" is state bytes / best time; "first" is the first repetition; "x raw/round" is
@@ -60,11 +56,8 @@ ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "check
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
-EXTRA_METHODS = ["checkpointd_nopipeline"]
-"""Rows run only when --methods names them (comparisons for one change)."""
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
-              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"},
-              "checkpointd_nopipeline": {"CHECKPOINTD_RESERVE_PIPELINE": "0"}}
+              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
 
 
@@ -393,7 +386,7 @@ def parse_args(argv=None):
                    help="cpu: pinned CPU tensors (default); device: the state lives on the GPU (save includes D2H)")
     p.add_argument("--dirs", default=C.env_str("PERSIST_DIRS", "/dev/shm/ckd-persist,/var/tmp/ckd-persist"),
                    help="comma list of target directories (each is created and removed)")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS + EXTRA_METHODS))
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma list from " + ", ".join(ALL_METHODS))
     p.add_argument("--raw-threads", default=C.env_str("RAW_THREADS", "1,8,max"), help="thread counts for raw writes")
     p.add_argument("--repeat", type=int, default=C.env_int("REPEAT", 2), help="repetitions of a row in each round")
     p.add_argument("--rounds", type=int, default=C.env_int("ROUNDS", 1),
@@ -410,7 +403,7 @@ def parse_args(argv=None):
         a.D, a.L = a.D or 256, a.L or 2
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in a.methods:
-        if m not in ALL_METHODS + EXTRA_METHODS:
+        if m not in ALL_METHODS:
             p.error(f"unknown method {m!r}")
     return a
 

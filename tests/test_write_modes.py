@@ -207,3 +207,20 @@ def test_a_preemption_save_is_written_fast(tmp_path: Path, monkeypatch: pytest.M
     assert scheduled and not any(scheduled)
     assert fast[len(scheduled):] and all(fast[len(scheduled):])
     _check_step(tmp_path / "step-000000003", model, 3)
+
+
+def test_a_file_system_mounted_after_the_first_lookup_is_recognised(tmp_path: Path) -> None:
+    """The mount table is cached: a tmpfs mounted later (a job's checkpoint tmpfs, the disk-full tests')
+    must not be taken for its parent's file system (that decides how files are written)."""
+    from checkpointd import fsinfo
+
+    parent_type = fsinfo.filesystem_type(str(tmp_path))  # reads and caches the table
+    try:
+        with small_filesystem(8 * 2**20, parent=tmp_path) as mount:
+            assert fsinfo.filesystem_type(str(mount / "ckpt" / "step-000000001")) == "tmpfs"
+            assert fsinfo.filesystem_type(str(mount)) == "tmpfs"
+        assert fsinfo.filesystem_type(str(tmp_path)) == parent_type
+    except SmallFilesystemUnavailable as exc:
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"} and os.geteuid() == 0:
+            pytest.fail(f"small filesystem unavailable in CI as root: {exc}")
+        pytest.skip(str(exc))

@@ -125,18 +125,16 @@ class PersistProcess:
             pass
 
     def submit_write(self, fd: int, end: int, mode: str, lanes: int, tasks: list[list[tuple[int, int, int, int]]],
-                     slabs: list[Any], writeback: bool = False, pipelined: bool = False) -> Future[Any]:
+                     slabs: list[Any], writeback: bool = False) -> Future[Any]:
         """Start writing ``tasks`` into the open file ``fd``; the future gives each task's range CRCs.
 
         ``writeback``: start the disk on each range once written (:func:`checkpointd.fsinfo.early_writeback`).
-        ``pipelined``: in ``mmap`` mode, reserve the file range by range beside the copies instead of
-        before them (``persist_process_main._Reserver``).
 
         The process gets its own copy of ``fd``, so the caller may close it once the future is done.
         """
         for slab in slabs:
             self.map_slab(slab)
-        return self._submit(("write", end, mode, lanes, tasks, writeback, pipelined), fd)
+        return self._submit(("write", end, mode, lanes, tasks, writeback), fd)
 
     def attach(self, fd: int, end: int, mode: str, lanes: int, writeback: bool = False,
                timeout: float = 120.0) -> "RemoteFile":

@@ -11,11 +11,10 @@ as ``SCM_RIGHTS``). Requests:
 
 - ``("map", slab_id, nbytes)`` + the slab's memfd: map it (kept until ``unmap``);
 - ``("unmap", slab_id)``;
-- ``("write", request_id, end, mode, lanes, tasks, writeback, pipelined)`` + the open file: put every range of
+- ``("write", request_id, end, mode, lanes, tasks, writeback)`` + the open file: put every range of
   ``tasks`` (lists of ``(file_offset, slab_id, slab_offset, length)``) into the file, by ``pwrite`` or
-  through a mapping of it (``mode`` ``mmap``; the file is reserved up to ``end`` with
-  ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS: first, or with ``pipelined`` range by
-  range beside the copies, each copy waiting for its range, see :class:`_Reserver`), ``lanes`` tasks at a time, computing
+  through a mapping of it (``mode`` ``mmap``; the file is first reserved up to ``end`` with
+  ``posix_fallocate``, so a full disk is ENOSPC, never SIGBUS), ``lanes`` tasks at a time, computing
   each range's CRC-32 slice by slice just before the slice is put; with ``writeback``, the disk is
   started on each range once it is in (``sync_file_range``, see ``checkpointd.fsinfo.early_writeback``). Replies ``("ok", request_id, crcs per task)``, ``("oserror", request_id,
   errno, text)`` or ``("error", request_id, text)``;
@@ -72,8 +71,6 @@ PRUNE_INTERVAL_S = 0.5
 BACKGROUND_RANGE_BYTES = 64 << 20
 """A blank file is populated this much at a time (~20 ms on an H200 host's tmpfs), then the populating
 checks whether a save is writing."""
-RESERVE_RANGE_BYTES = 128 << 20
-"""A pipelined reservation (:class:`_Reserver`) reserves this much at a time."""
 BACKGROUND_WAIT_S = 60.0
 """The longest the populating waits for saves before a range (a file attached by a requester that
 never detaches it must not stop it for good)."""
@@ -217,65 +214,6 @@ def _same_file(fd: int, st: os.stat_result) -> bool:
             == (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
 
 
-class _Reserver:
-    """Reserves ``[0, end)`` of a file range by range (``posix_fallocate``) on its own thread, while the
-    copies into the file's mapping run behind it: each copy first waits until its range is reserved.
-
-    Why: on tmpfs ``posix_fallocate`` allocates and zeroes every page of a new file on one thread
-    (the inode lock serialises reservations of one file, so more threads do not help), and the copies
-    waited for all of it: for the reference state's optimizer file (3.2 GB, H200 host) 0.35-0.6 s of
-    reserving, then 0.25-0.3 s of copying (``benchmarks/RESULTS.md``, session 32). Behind a reservation
-    front the copies overlap it. A copy never touches a page that is not reserved: a full file system
-    stops the front (ENOSPC), and every copy beyond it fails with that error instead of a SIGBUS.
-    """
-
-    def __init__(self, fd: int, end: int, range_bytes: int = RESERVE_RANGE_BYTES) -> None:
-        self.fd = fd
-        self.end = end
-        self.range = max(4096, range_bytes)
-        self.reserved_to = 0
-        self.error: BaseException | None = None
-        self._stopped = False
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="persist-reserve", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        pos = 0
-        try:
-            while pos < self.end and not self._stopped:
-                n = min(self.range, self.end - pos)
-                os.posix_fallocate(self.fd, pos, n)
-                pos += n
-                with self._cv:
-                    self.reserved_to = pos
-                    self._cv.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - handed to every copy waiting beyond the front
-            with self._cv:
-                self.error = exc
-                self._cv.notify_all()
-
-    def wait_for(self, stop: int) -> None:
-        """Block until ``[0, stop)`` is reserved; raise the reservation's error if it ends before that."""
-        with self._cv:
-            while self.reserved_to < stop and self.error is None:
-                self._cv.wait()
-            if self.reserved_to < stop:
-                assert self.error is not None
-                raise self.error
-
-    def stop(self) -> None:
-        """End the reservation after the range in progress (the write failed) and wait for that."""
-        self._stopped = True
-        self._thread.join()
-
-    def finish(self) -> None:
-        """Wait for the whole reservation (the file's other bytes follow by ``pwrite``); raise its error."""
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 class _Attached:
     """A file held between ``attach`` and ``detach``: our descriptor, how bytes are put into it, and the
     kept mapping it was checked out with (if any)."""
@@ -365,8 +303,7 @@ class Server:
     def write(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, lanes, tasks = message[:6]
         writeback = bool(message[6]) if len(message) > 6 else False
-        pipelined = bool(message[7]) if len(message) > 7 else False
-        self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback, pipelined))
+        self._answer(request_id, fd, lambda: self._write(fd, end, mode, lanes, tasks, writeback))
 
     def attach(self, message: tuple, fd: int) -> None:
         _kind, request_id, end, mode, writeback = message[:5]
@@ -454,26 +391,17 @@ class Server:
             if track:
                 self.writes.discard(threading.current_thread())
 
-    def _open(self, fd: int, end: int, mode: str, writeback: bool, reserver: _Reserver | None = None
+    def _open(self, fd: int, end: int, mode: str, writeback: bool
               ) -> tuple[Callable[[_Slab, int, int, int], None], Callable[[int, int], None] | None, _KeptFile | None]:
         """How to put bytes into ``fd`` (``put(slab, start, n, offset)``), its writeback starter and the
-        mapping checked out for it (``mmap`` mode; the caller checks it in when done). ``reserver``: the
-        file is being reserved by it (each copy waits for its range), else it is reserved here first."""
+        mapping checked out for it (``mmap`` mode; the caller checks it in when done)."""
         kept = None
         if mode == "mmap" and end > 0:
-            # Reserved first (or each range before its copy), so a full disk is ENOSPC and never SIGBUS in
-            # a copy. (Reserving each range with MADV_POPULATE_WRITE from the lanes instead was 3x slower
-            # on an H200 host's tmpfs.)
-            if reserver is None:
-                os.posix_fallocate(fd, 0, end)
+            # Reserved first, so a full disk is ENOSPC here and never SIGBUS in a copy. (Reserving each
+            # range with MADV_POPULATE_WRITE from the lanes instead was 3x slower on an H200 host's tmpfs.)
+            os.posix_fallocate(fd, 0, end)
             kept = self._checkout(fd, end)
-        if kept is not None and reserver is not None:
-            base, wait_for = kept.base, reserver.wait_for
-
-            def put(slab: _Slab, start: int, n: int, offset: int) -> None:
-                wait_for(offset + n)
-                ctypes.memmove(base + offset, slab.address + start, n)  # ctypes calls drop the GIL
-        elif kept is not None:
+        if kept is not None:
             base = kept.base
 
             def put(slab: _Slab, start: int, n: int, offset: int) -> None:
@@ -484,23 +412,16 @@ class Server:
 
         return put, self.writeback_starter(fd) if writeback else None, kept
 
-    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool,
-               pipelined: bool = False) -> list[list[int]]:
+    def _write(self, fd: int, end: int, mode: str, lanes: int, tasks: list, writeback: bool) -> list[list[int]]:
         self._count_saving(1)
-        reserver = _Reserver(fd, end) if pipelined and mode == "mmap" and end > 0 else None
         try:
-            put, written, kept = self._open(fd, end, mode, writeback, reserver)
+            put, written, kept = self._open(fd, end, mode, writeback)
             try:
-                crcs = self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
-                if reserver is not None:
-                    reserver.finish()
-                return crcs
+                return self.run_in_lanes([self._task(t, put, written) for t in tasks], self.pool, lanes)
             finally:
                 if kept is not None:
                     self._checkin(kept)
         finally:
-            if reserver is not None:
-                reserver.stop()  # after a failure: no more ranges; the descriptor is closed after this request
             self._count_saving(-1)
 
     # -- background populating ---------------------------------------------------------------------------

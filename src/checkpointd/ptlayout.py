@@ -605,16 +605,6 @@ def write_image(fd: int, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTE
     return WriteResult(nbytes=img.end - img.origin, crc=crc, raw_nbytes=raw)
 
 
-RESERVE_PIPELINE_ENV = "CHECKPOINTD_RESERVE_PIPELINE"
-"""``1`` (default): the persist process reserves a mapped file range by range beside the copies into it;
-``0``: the whole file first, then the copies (``persist_process_main._Reserver`` says why). Read at each
-write, so that a benchmark can compare the two in one process."""
-
-
-def reserve_pipelined() -> bool:
-    return os.environ.get(RESERVE_PIPELINE_ENV, "1").strip() != "0"
-
-
 def persist_mode(fd: int, mode: str | None = None) -> tuple[str, int]:
     """``(mode, lanes)`` the persist process writes ``fd`` with: ``mode`` or ``CHECKPOINTD_WRITE_MODE``
     (default ``auto``: a mapping on memory file systems, filled by every I/O thread; else :func:`write_lanes`
@@ -674,8 +664,7 @@ class _SharedPieces:
         chosen, lanes = persist_mode(fd, mode)
         assert self.process is not None
         try:
-            return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()), writeback,
-                                             reserve_pipelined())
+            return self.process.submit_write(fd, end, chosen, lanes, self.ranges, list(self.slabs.values()), writeback)
         except persist_process.PersistProcessError as exc:
             failed: Future[Any] = Future()
             failed.set_exception(exc)
@@ -786,5 +775,5 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
     return result
 
 
-__all__ = ["FAST_PERSIST_ENV", "RESERVE_PIPELINE_ENV", "ZipImage", "build_zip", "fast_persist", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
+__all__ = ["FAST_PERSIST_ENV", "ZipImage", "build_zip", "fast_persist", "io_executor", "mdlus_image", "pt_image", "run_tasks", "write_file",
            "write_image", "ZIP64_LIMIT"]
