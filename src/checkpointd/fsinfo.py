@@ -56,6 +56,8 @@ def filesystem_type(path: str) -> str | None:
 
     The mount table is read once and read again when it does not match the path's device (a file
     system mounted or unmounted since: a job that mounts its checkpoint tmpfs after starting, a test's).
+    A btrfs subvolume's device differs from its mount point's: there the table is read at every call
+    (~0.1 ms; a few calls a save) and gives the same answer.
     """
     real = os.path.realpath(path)
     found = _mount_of(real)
