@@ -23,7 +23,9 @@ Every repetition's files are deleted after it, outside the timed region, and the
 starts --settle-s (default 1 s) later: a raw row's deletion frees the files' pages at once (tmpfs), but
 the persist process lets go of a deleted checkpoint file's mapping, and so of its pages, only within
 0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause fell inside the next timed
-save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host).
+save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host). The same pause follows a
+row's warm-up save (since after session 32's runs, whose first repetition still followed the warm-up's
+removal at once and was the slowest of three in four of six runs).
 
 Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
 every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
@@ -59,6 +61,12 @@ RECYCLING = "checkpointd_recycle"
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
               "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
+NEW_FILES_ENV = {"CHECKPOINTD_FILES_AHEAD": "0"}
+"""Every row but checkpointd_recycle times saves into new files, as a run that keeps every checkpoint makes
+them once its first two saves are done: without the blank files the library makes ahead for a run's first
+saves (``recycle.FilesAhead``), which some repetitions took and others ran beside (session 32: a blank
+file's save wrote in 0.31-0.41 s after its snapshot, a new file's in 0.62-1.22 s). The recycling row keeps
+them (a training run's first saves take them)."""
 
 
 SETTLE_S = 1.0
@@ -222,7 +230,9 @@ class CheckpointdRow(Row):
         self.data["notes"] = []
         self.dir = os.path.join(root, method)
         self.args, self.dev, self.model, self.opt = args, dev, model, opt
-        self.knobs = METHOD_ENV.get(method, {})
+        self.knobs = dict(METHOD_ENV.get(method, {}))
+        if method != RECYCLING:  # rows into new files: every save writes new files (see NEW_FILES_ENV)
+            self.knobs.update(NEW_FILES_ENV)
         self.mgr: Any = None
         self.step = 0
         if self.knobs:
@@ -248,6 +258,7 @@ class CheckpointdRow(Row):
                 if self.method == RECYCLING:  # retention after this one retires the first: the bin holds a save
                     self._save()
                 self._clear()
+                settle()  # the warm-up's pages too (session 32 settled only between repetitions)
             dt = self._save()
         row.setdefault("snapshot_s", []).append(dt[1])
         row.setdefault("after_snapshot_s", []).append(dt[0] - dt[1])
