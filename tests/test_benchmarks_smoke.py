@@ -95,6 +95,7 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
         assert "error" not in r, r["error"]
         assert r["rounds"] == [0, 1] and len(r["times_s"]) == 2, (r["method"], r["rounds"])
     ckd = next(r for r in rows if r["method"] == "checkpointd")
+    assert ckd["notes"] == ["CHECKPOINTD_FILES_AHEAD=0"]  # the new-files row: no blank files made ahead
     assert ckd["stats"]["saves_committed"] == 3 and ckd["warmup_s"] > 0  # one manager: a warm-up, then a save a round
     assert "x raw/round" in proc.stdout
     if data["dirs"][0]["fs"] not in ("tmpfs", "ramfs"):  # a disk: raw rows with early writeback too
