@@ -92,9 +92,22 @@ def _round_tables(levels: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+ROUNDS_BUILT = 24
+"""Combining rounds whose tables are built at the first use on a device, whatever the file: every file
+up to ``2**24`` lanes (64 GiB) then slices them (a round's table depends on the round alone). Why: a
+table per file size made each new size cost a process's first restore its own NumPy build, after that
+file's upload: in a fresh process on an H200 host (4.83 GB in two files) the second file's CRC took
+6.7-7.0 ms that way, 2.5 ms with the tables built once (RESULTS.md, session 31)."""
+
+
 def _combine_tables(levels: int, device: torch.device) -> torch.Tensor:
-    """:func:`_round_tables` as int64 on ``device`` (the torch-ops path)."""
+    """The first ``levels`` rounds' tables as int64 on ``device`` (the torch-ops path), sliced from one
+    build of :data:`ROUNDS_BUILT` rounds as the CUDA path's are (:func:`_tables_int32`)."""
+    return _combine_tables_built(max(levels, ROUNDS_BUILT), device)[:levels]
+
+
+@functools.lru_cache(maxsize=None)
+def _combine_tables_built(levels: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_round_tables(levels).astype(np.int64)).to(device)
 
 
@@ -185,14 +198,6 @@ def kernel_available(device: torch.device) -> bool:
         logger.info("no CRC-32 kernel for cuda:%d (%s)", index, exc)
         return False
     return True
-
-
-ROUNDS_BUILT = 24
-"""Combining rounds whose tables are built at the first use on a device, whatever the file: every file
-up to ``2**24`` lanes (64 GiB) then slices them (a round's table depends on the round alone). Why: a
-table per file size made each new size cost a process's first restore its own NumPy build, after that
-file's upload: in a fresh process on an H200 host (4.83 GB in two files) the second file's CRC took
-6.7-7.0 ms that way, 2.5 ms with the tables built once (RESULTS.md, session 31)."""
 
 
 def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
