@@ -21,7 +21,8 @@
 #   BUDGET_S [1900 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
-#   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [3]  RAW_THREADS [8,max]  PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
+#   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [5] (tmpfs)  DISK_RESTORE_REPEAT [3]  RAW_THREADS [8,max]
+#            PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   stall_dist: DIST_EVERY [60]  DIST_CKPTS [6]  DIST_METHODS [none,checkpointd,none,checkpointd,none,checkpointd,none]
 #   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
 #   PREFAULT_GB [auto]: host memory the first stage run writes once before timing (a fresh VM maps its
@@ -41,11 +42,13 @@ STATE_GB=${STATE_GB:-5}
 # last round): ~15 minutes. Session 20 added the restore's fresh-process and phase rows: restore_tmpfs
 # alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). Session 26 ran checkpointd and
 # device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. The stall_dist stage
-# (session 27, 2x H200) took 361 s with ten runs a side (the default is seven). To fit a time limit set
+# (session 27, 2x H200) took 361 s with ten runs a side (the default is seven). Session 33 (H200): stall
+# and persist_tmpfs 350 s together; restore_tmpfs (then 3 repetitions) and compression ~245 s; persist_disk
+# (2 rounds) ~225 s. To fit a time limit set
 # BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
-BUDGET_S=${BUDGET_S:-$(( 2000 * SCALE ))}
+BUDGET_S=${BUDGET_S:-$(( 2400 * SCALE ))}
 TMPFS_DIR=${TMPFS_DIR:-/dev/shm/ckd-bench}
 DISK_DIR=${DISK_DIR:-/var/tmp/ckd-bench}
 SKIP_DISK=${SKIP_DISK:-0}
@@ -112,19 +115,22 @@ stage() {
 stage stall $(( 420 * SCALE )) benchmarks/bench_stall.py --state-gb "$STATE_GB" --dir "$TMPFS_DIR/stall"
 stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
-# restores: best of RESTORE_REPEAT (3); the first restore of a process pins its bounce buffers, so best
-# of 2 leaves one warm sample, and one slow sample decided a whole row (session 14); each manager-based
-# repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the longer limits;
-# session 30 added the host-verified fresh-process row (checkpointd_cold_hostverify, ~12 s a repetition)
-stage restore_tmpfs $(( 360 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
-    --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+# restores: best of RESTORE_REPEAT (5 on tmpfs, DISK_RESTORE_REPEAT 3 on disk); the first restore of a
+# process pins its bounce buffers, so best of 2 leaves one warm sample, and one slow sample decided a
+# whole row (session 14); with 3, session 33's two warm samples of the GPU-verified row were 220 and 334
+# ms where a run of 6 on another host spread 191-219 (the table prints the median beside the best);
+# each manager-based repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the
+# longer limits; session 30 added the host-verified fresh-process row (checkpointd_cold_hostverify,
+# ~12 s a repetition)
+stage restore_tmpfs $(( 480 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+    --repeat "${RESTORE_REPEAT:-5}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
     # disks drift during a run: interleaved rounds of one repetition each (bench_persist --rounds)
     stage persist_disk $(( 420 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/persist" \
         --repeat 1 --rounds "${DISK_ROUNDS:-3}" ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
     stage restore_disk $(( 420 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
-        --repeat "${RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
+        --repeat "${DISK_RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
 # Two GPUs (issue 6: the per-rank stall about one GPU's with half the state): the reference on one GPU
 # first, then the same methods on two under torchrun, interleaved with `none` runs (bench_stall_dist.py's

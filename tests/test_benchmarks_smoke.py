@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,31 @@ def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     if sys.platform == "linux":  # /proc/vmstat's counter read around each fresh read
         assert isinstance(raw_cold["activated"][0], int) and isinstance(cold["activated"][0], int)
     assert "x raw fresh process: first" in text
+
+
+def test_bench_restore_table_puts_the_median_beside_the_best() -> None:
+    """The best of a few repetitions hides a row's spread (session 33: a GPU-verified row's two warm samples
+    220 and 334 ms); the table prints each row's median and its ratio to the best raw row's median."""
+    bench_restore = _bench_module("bench_restore")
+    gb = 4.834
+
+    def row(method: str, kind: str, times: list[float]) -> dict:
+        return {"method": method, "kind": kind, "times_s": times, "ok": True, "GBps": gb / min(times)}
+
+    res = {"info": {"device": "GPU", "torch": "x", "date": "d", "cpu_count": 16},
+           "state": {"state_bytes": gb * 1e9, "tensors": 240, "D": 2048, "L": 8, "state_on": "cuda"},
+           "args": {"settle_s": 3.0},
+           "dirs": [{"dir": "/dev/shm/r", "fs": "tmpfs", "rows": [
+               row("raw read x 8 thr", "raw", [0.20, 0.21, 0.22]),
+               row("raw read x 16 thr", "raw", [0.13, 0.14, 0.15]),
+               row("checkpointd restore_latest", "checkpointd", [0.52, 0.18, 0.28])]}]}
+    lines = bench_restore.summarise(res).splitlines()
+    header = next(line for line in lines if line.startswith("method"))
+    cells = dict(zip(re.split(r"\s{2,}", header.strip()),
+                     re.split(r"\s{2,}", next(line for line in lines if line.startswith("checkpointd")).strip())))
+    assert cells["best s"] == "0.180" and cells["median s"] == "0.280" and cells["first s"] == "0.520"
+    assert cells["x raw"] == "0.72" and cells[">=0.7x raw"] == "ok"  # best against the best raw row's best
+    assert cells["x raw median"] == "0.50"  # 0.14 / 0.28: the median against the best raw row's median
 
 
 @pytest.mark.timeout(300)
