@@ -18,7 +18,7 @@
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
 #   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
 #            persist_disk,restore_disk,stall_dist), e.g. to split a run over several shorter sessions with one OUT
-#   BUDGET_S [1900 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
+#   BUDGET_S [2400 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [5] (tmpfs)  DISK_RESTORE_REPEAT [3]  RAW_THREADS [8,max]
