@@ -122,7 +122,7 @@ stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$
 # each manager-based repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the
 # longer limits; session 30 added the host-verified fresh-process row (checkpointd_cold_hostverify,
 # ~12 s a repetition)
-stage restore_tmpfs $(( 480 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
+stage restore_tmpfs $(( 600 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-5}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
 if [ "$SKIP_DISK" != "1" ]; then
