@@ -460,8 +460,8 @@ def summarise(res: dict) -> str:
             lines.append("   skipped: " + d["skipped"])
             continue
         rows = d["rows"]
-        raw_best = max((r["GBps"] for r in rows if r["kind"] == "raw" and r.get("GBps")), default=None)
         raw_best_row = max((r for r in rows if r["kind"] == "raw" and r.get("GBps")), key=lambda r: r["GBps"], default=None)
+        raw_best = raw_best_row["GBps"] if raw_best_row else None
         raw_median = statistics.median(raw_best_row["times_s"]) if raw_best_row else None
         raw_cold = next((r for r in rows if r["kind"] == "raw_cold" and r.get("GBps")), None)
         trows = []
