@@ -37,6 +37,9 @@ and the live tensors zeroed:
   library's default said explicitly (=device: mapped files uploaded and checksummed on the GPU,
   ``checkpointd.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
   checkpointd_cold_deviceverify: the same as fresh processes (``checkpointd_cold``);
+- checkpointd_pyupload: the default restore with each file's upload for the device checksum through the
+  Python bounce (CHECKPOINTD_RESTORE_UPLOAD=python; the behaviour before session 34) instead of the native
+  upload (``checkpointd.upload_native``), which holds no GIL and lets the parses run beside it;
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -77,8 +80,10 @@ import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
                "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
-               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap"]
-STRATEGY_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap",
+               "checkpointd_pyupload"]
+STRATEGY_METHODS = {"checkpointd_pyupload": {"CHECKPOINTD_RESTORE_UPLOAD": "python"},
+                    "checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                     "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                     "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                     "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},

@@ -127,6 +127,46 @@ def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch, mapped) -> N
     assert seen == [data]  # called once, with every byte already there
 
 
+@pytest.mark.parametrize("device_crc", [True, False])
+def test_meanwhile_runs_beside_an_upload_that_holds_no_gil(tmp_path, monkeypatch, device_crc) -> None:
+    """With ``meanwhile_beside_device`` the parse runs on its own thread while the device verifies (the upload
+    waits here until it has started: run one after the other, this would time out), or beside the host
+    checksum when the device declines; once either way, the checksum the same."""
+    import threading
+
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    data = os.urandom(777_777)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    started = threading.Event()
+    seen: list[str] = []
+
+    def meanwhile(buf: torch.Tensor) -> None:
+        seen.append(threading.current_thread().name)
+        started.set()
+        assert bytes(buf.numpy()) == data
+
+    def device_verify(buf: torch.Tensor) -> int | None:
+        assert started.wait(20), "meanwhile did not run beside the device's verification"
+        return zlib.crc32(bytes(buf.numpy())) if device_crc else None
+
+    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob", meanwhile=meanwhile,
+                                                      device_verify=device_verify, meanwhile_beside_device=True)
+    assert checksum == f"crc32:{zlib.crc32(data):08x}" and bytes(buf.numpy()) == data
+    assert seen == ["checkpointd-parse"]
+
+
+def test_meanwhile_follows_an_upload_that_holds_the_gil(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    data = os.urandom(100_000)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    order: list[str] = []
+    fastload.read_file_verified(str(p), len(data), "blob", meanwhile=lambda b: order.append("parse"),
+                                device_verify=lambda b: order.append("upload") or zlib.crc32(data))
+    assert order == ["upload", "parse"]
+
+
 @pytest.mark.parametrize("mapped", ["0", "1"])
 def test_uncompressed_files_are_parsed_once(tmp_path, monkeypatch, mapped) -> None:
     """Parsed during the checksum when mapped, after the read otherwise: once per file either way."""

@@ -31,11 +31,16 @@ back after. ``CHECKPOINTD_RESTORE_CHUNK_MB`` (default 16) sizes the chunks: ``4 
 pinned memory, kept until a save commits (:func:`release_pinned`).
 Every copy is finished (streams synchronised) before :func:`copy_pairs` returns, so callers and the
 training loop may use the tensors at once, on any stream. CPU-only builds only ever do plain copies.
+
+One contiguous upload (:func:`upload_bytes`: a mapped file's image for the device checksum) goes through
+:mod:`checkpointd.upload_native` instead where that is built: the same pinned chunks cut into slots,
+native threads, no GIL held (H200, 4.83 GB from tmpfs: 49 GB/s against 35 here; RESULTS.md, session 34).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -43,8 +48,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import device_image
+from . import device_image, upload_native
 from .lanes import local_ranks
+
+logger = logging.getLogger("checkpointd")
 
 H2D_ENV = "CHECKPOINTD_RESTORE_H2D"
 THREADS_ENV = "CHECKPOINTD_RESTORE_THREADS"
@@ -271,11 +278,29 @@ def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy the CPU bytes ``src`` into the CUDA bytes ``dst`` (both 1-D uint8) through the pinned chunks;
     finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it).
 
-    The copy threads fault a fresh mapping's pages in as they read. Mapping them ahead on other threads
-    (``MADV_POPULATE_READ``, every chunk queued at once) made a restore of 4.83 GB slower on H200 hosts
-    in every variant tried: best 221 and 204 ms with 2 and 4 threads against 160 without, 213 with 16
-    against 181 (RESULTS.md, session 30), presumably the populating threads competing with the copy's."""
+    Natively where :func:`uploads_off_gil` (:mod:`checkpointd.upload_native`: the same pinned chunks,
+    no GIL held), else through :func:`_bounced_h2d`. The copy threads fault a fresh mapping's pages in
+    as they read. Mapping them ahead on other threads (``MADV_POPULATE_READ``, every chunk queued at
+    once) made a restore of 4.83 GB slower on H200 hosts in every variant tried: best 221 and 204 ms
+    with 2 and 4 threads against 160 without, 213 with 16 against 181 (RESULTS.md, session 30),
+    presumably the populating threads competing with the copy's."""
+    if uploads_off_gil():
+        pool, _ = _pool(dst.device)
+        with pool.lock:  # the chunks are the pool's: one copy at a time uses them
+            try:
+                upload_native.upload_tensor(dst, src, pool.pinned_chunks(), pool.threads)
+                return
+            except upload_native.UploadError as exc:
+                logger.warning("checkpointd: %s; uploading through the Python bounce", exc)
     _bounced_h2d(dst.device, [(dst, src)])
+
+
+def uploads_off_gil() -> bool:
+    """Whether :func:`upload_bytes` runs holding no GIL (the native upload is wanted and built).
+
+    A restore then parses files beside the uploads (:func:`checkpointd.fastload.read_file_verified`);
+    beside the Python bounce that made restores slower."""
+    return upload_native.wanted() and upload_native.library() is not None
 
 
 def _device_to_device(device: torch.device, items: list[Pair]) -> None:
@@ -378,4 +403,5 @@ def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
         stream.synchronize()
 
 
-__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned"]
+__all__ = ["H2D_ENV", "STRATEGIES", "copy_pairs", "flat_bytes", "h2d_strategy", "is_dense", "raw_copyable", "release_pinned",
+           "upload_bytes", "uploads_off_gil"]

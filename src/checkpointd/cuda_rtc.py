@@ -162,12 +162,8 @@ def _cached_cubin(source: str, arch: str, options: Sequence[str], fresh: bool = 
 _contexts: dict[int, int] = {}
 
 
-@contextlib.contextmanager
-def _in_context(index: int) -> Iterator[None]:
-    """The device's primary context (the one torch's runtime calls use) current on this thread.
-
-    Why not ``torch.cuda.device``: it only sets the runtime's device when it differs from the thread's,
-    and a thread that never made a runtime call has no current driver context at all."""
+def primary_context(index: int) -> int:
+    """The handle of device ``index``'s primary context: the one torch's runtime calls use (retained once)."""
     lib = _cuda()
     with _libs_lock:
         ctx = _contexts.get(index)
@@ -176,6 +172,29 @@ def _in_context(index: int) -> Iterator[None]:
             _check_cuda(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
             _check_cuda(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev.value), "cuDevicePrimaryCtxRetain")
             ctx = _contexts[index] = int(handle.value or 0)
+    return ctx
+
+
+def driver_functions(names: Sequence[str]) -> list[int]:
+    """The addresses of the CUDA driver's functions ``names`` (for native code that calls them itself)."""
+    lib = _cuda()
+    out = []
+    for name in names:
+        try:
+            out.append(int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0))
+        except AttributeError as exc:
+            raise KernelUnavailable(f"the CUDA driver has no {name}") from exc
+    return out
+
+
+@contextlib.contextmanager
+def _in_context(index: int) -> Iterator[None]:
+    """The device's primary context (the one torch's runtime calls use) current on this thread.
+
+    Why not ``torch.cuda.device``: it only sets the runtime's device when it differs from the thread's,
+    and a thread that never made a runtime call has no current driver context at all."""
+    lib = _cuda()
+    ctx = primary_context(index)
     _check_cuda(lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
     try:
         yield
@@ -267,4 +286,4 @@ def kernels(source: str, names: Sequence[str], device: torch.device, options: Se
         return out
 
 
-__all__ = ["Kernel", "KernelUnavailable", "compile_cubin", "kernels", "load_origin"]
+__all__ = ["Kernel", "KernelUnavailable", "compile_cubin", "driver_functions", "kernels", "load_origin", "primary_context"]

@@ -6,7 +6,9 @@ on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200 host)
 pinned chunks and their DMA into the live tensors (~90 ms). Here the copy comes first, into a private
 GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.bulkcopy`, whose
 copy threads fault the mapping's pages in as they read), and the checksum is computed on the image
-(:mod:`checkpointd.device_crc`, 3.3 ms for 4.83 GB on an H200). The image is registered only
+(:mod:`checkpointd.device_crc`, 3.3 ms for 4.83 GB on an H200). The upload runs on native threads
+holding no GIL where the C compiler built :mod:`checkpointd.upload_native` (49 GB/s against 35 through
+the Python bounce; the files' parses run beside it: RESULTS.md, session 34). The image is registered only
 once the file's checksum matched; the apply then fills the live tensors from it, device to device
 (``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
 exactly the bytes applied. Measured: RESULTS.md, sessions 29-30.
@@ -143,6 +145,21 @@ def verifying_on(device: torch.device | None) -> Iterator[None]:
         restore.images.clear()
 
 
+def upload_holds_no_gil() -> bool:
+    """Whether the restore in progress verifies on a device and its uploads hold no GIL: the native
+    upload on a GPU (:func:`checkpointd.bulkcopy.uploads_off_gil`), or one ``copy_`` to a CPU "device"
+    (tests). The files' parses may then run beside their uploads."""
+    with _lock:
+        restore = _active[-1] if _active else None
+    if restore is None:
+        return False
+    if restore.device.type != "cuda":
+        return True
+    from .bulkcopy import uploads_off_gil
+
+    return uploads_off_gil()
+
+
 def drop_all() -> bool:
     """Forget every registered image (their memory goes back to the allocator); True if there was one."""
     with _lock:
@@ -253,4 +270,4 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
 
 
 __all__ = ["DeviceImage", "VERIFY_ENV", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
-           "target_device", "verify", "verifying_on"]
+           "target_device", "upload_holds_no_gil", "verify", "verifying_on"]

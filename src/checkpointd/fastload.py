@@ -27,6 +27,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from typing import Any, Callable, cast
 
@@ -159,9 +160,23 @@ def _map_file(fd: int, size: int) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
 
 
+def _start_beside(fn: Callable[[torch.Tensor], None], buf: torch.Tensor) -> threading.Thread:
+    """``fn(buf)`` on a thread of its own (its exceptions logged: ``meanwhile`` results are optional)."""
+    def run() -> None:
+        try:
+            fn(buf)
+        except Exception as exc:  # noqa: BLE001 - the caller's later path gives the precise error
+            logger.debug("work beside a file's upload failed: %r", exc)
+
+    thread = threading.Thread(target=run, name="checkpointd-parse", daemon=True)
+    thread.start()
+    return thread
+
+
 def read_file_verified(path: str, expected_size: int, where: str,
                        meanwhile: Callable[[torch.Tensor], None] | None = None,
-                       device_verify: Callable[[torch.Tensor], int | None] | None = None) -> tuple[torch.Tensor, int, str]:
+                       device_verify: Callable[[torch.Tensor], int | None] | None = None,
+                       meanwhile_beside_device: bool = False) -> tuple[torch.Tensor, int, str]:
     """``(buffer, size, checksum)``: the whole file in a uint8 tensor, read and checksummed in parallel.
 
     The caller compares size and checksum with the manifest before using the buffer. When the file's
@@ -175,7 +190,10 @@ def read_file_verified(path: str, expected_size: int, where: str,
 
     ``device_verify(buffer)``, for a mapped file only, may return the file's CRC-32 computed elsewhere
     (:func:`checkpointd.device_image.verify`: on the GPU, from an upload of the mapping); the host
-    checksum is then skipped and ``meanwhile`` runs after it. None: the host checksums as usual.
+    checksum is then skipped and ``meanwhile`` runs after it. None: the host checksums as usual. With
+    ``meanwhile_beside_device`` (when ``device_verify`` holds no GIL while it uploads:
+    :func:`checkpointd.bulkcopy.uploads_off_gil`) ``meanwhile`` runs on a thread of its own beside
+    ``device_verify`` (or beside the host checksum, if that declined) instead of after it.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -187,14 +205,23 @@ def read_file_verified(path: str, expected_size: int, where: str,
         ranges = [(a, min(size, a + step)) for a in range(0, size, step)]
         if mapped:
             buf = _map_file(fd, size)
-            crc = device_verify(buf) if device_verify is not None else None
-            if crc is not None:
-                if meanwhile is not None:
+            beside = None
+            if device_verify is not None and meanwhile is not None and meanwhile_beside_device:
+                beside = _start_beside(meanwhile, buf)
+                meanwhile = None
+            try:
+                crc = device_verify(buf) if device_verify is not None else None
+                if crc is None:
+                    view = byte_view(buf)
+                    crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges],
+                                              meanwhile=None if meanwhile is None else functools.partial(meanwhile, buf))
+                elif meanwhile is not None:
                     meanwhile(buf)
+            finally:
+                if beside is not None:
+                    beside.join()
+            if crc is not None:
                 return buf, size, format_crc(crc)
-            view = byte_view(buf)
-            crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges],
-                                      meanwhile=None if meanwhile is None else functools.partial(meanwhile, buf))
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             view = byte_view(buf)

@@ -7,41 +7,29 @@ call that drops and retakes the GIL. On a 16-core host 16 codec threads then dec
 does the same work in one pass over cache-sized blocks, called through :mod:`ctypes` (which releases
 the GIL for the call). Its results are the same bytes; the tests compare both implementations.
 
-How: the C source ships in the package. The first call compiles it with the system C compiler
-(``$CC``, else ``cc``; ``-O3``, no ``-march``: the result may be shared by different hosts) into
-``$CHECKPOINTD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/checkpointd`` or ``~/.cache/checkpointd``)
-under a name keyed by the source, the compiler and the machine, so every later process just loads
-it. Writes are atomic (a temporary file, then a rename), so ranks that start together cannot load
-a half-written library. Without a compiler, or with ``CHECKPOINTD_NATIVE=0``, the NumPy kernels run
-(logged once): slower, same bytes.
+How: the C source ships in the package; the first call compiles it (:mod:`checkpointd.native_build`:
+the system C compiler, once per machine, into a private cache folder). Without a compiler, or with
+``CHECKPOINTD_NATIVE=0``, the NumPy kernels run (logged once): slower, same bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .kernel_cache import CACHE_DIR_ENV, cache_dir, check_private, private_folders
+from . import native_build
 
 logger = logging.getLogger("checkpointd")
 
-NATIVE_ENV = "CHECKPOINTD_NATIVE"
+NATIVE_ENV = native_build.NATIVE_ENV
 _SOURCE = Path(__file__).with_name("planes_native.c")
 _ABI = 1  # cpd_abi() of the source this module expects
 _FLAGS = ["-O3", "-std=gnu99", "-shared", "-fPIC"]
-_COMPILE_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _loaded: Any = None
@@ -50,51 +38,18 @@ why_not = ""
 """Why the native kernels are not in use ("" when they are, or before the first try)."""
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc.split()[0]) and cc
-
-
-def _build(source: bytes, cc: str) -> Path:
-    """The compiled library for ``source``: from the cache, or compiled into it now."""
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
-                                      platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
-    last_error: Exception | None = None
-    for folder in private_folders():
-        target = folder / f"planes-{key}.so"
-        try:
-            if target.is_file():
-                check_private(target)
-                return target
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = Path(tmp) / "planes_native.c"
-                src.write_bytes(source)
-                built = Path(tmp) / "planes.so"
-                proc = subprocess.run([*cc.split(), *_FLAGS, "-o", str(built), str(src)], capture_output=True,
-                                      text=True, timeout=_COMPILE_TIMEOUT_S)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-                os.chmod(built, 0o755)  # whatever the umask: loadable, writable by this user only
-                os.replace(built, target)  # atomic: a concurrent loader sees the old state or all of it
-            return target
-        except OSError as exc:  # an unwritable or shared folder: try the next
-            last_error = exc
-    raise RuntimeError(f"no private, writable folder for the compiled kernels ({cache_dir()} or the per-user temporary "
-                       f"folder; set {CACHE_DIR_ENV}){': ' + repr(last_error) if last_error else ''}")
-
-
 def _load() -> Any:
     global why_not
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if native_build.disabled():
         why_not = f"{NATIVE_ENV}=0"
         return None
-    cc = _compiler()
+    cc = native_build.compiler()
     if not cc:
         why_not = "no C compiler (set CC or install cc)"
         logger.info("checkpointd: %s for the native plane kernels; zstd-planes uses NumPy (about half the speed)", why_not)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(_SOURCE.read_bytes(), cc)))
+        lib = ctypes.CDLL(str(native_build.build(_SOURCE.read_bytes(), "planes", cc, _FLAGS)))
         if lib.cpd_abi() != _ABI:
             raise RuntimeError(f"library ABI {lib.cpd_abi()}, expected {_ABI}")
     except Exception as exc:  # noqa: BLE001 - any failure means the NumPy kernels

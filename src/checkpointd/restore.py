@@ -115,7 +115,8 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     uncompressed mapped file is parsed while its checksum is computed (restricted unpickling, tensors
     viewing the mapping, nothing copied): that result is returned only once the checksum matched. Within
     a restore into CUDA tensors a mapped file may instead be uploaded and checksummed on the GPU
-    (:mod:`checkpointd.device_image`), its image registered for the apply only once the checksum matched.
+    (:mod:`checkpointd.device_image`), its image registered for the apply only once the checksum matched;
+    the parse then runs beside the upload when the upload holds no GIL (:func:`checkpointd.device_image.upload_holds_no_gil`).
     """
     from . import fastload
 
@@ -140,9 +141,11 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
 
     plain = entry.codec in ("none", "", None)
     try:
+        beside = plain and device_image.upload_holds_no_gil()
         buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where,
                                                           meanwhile=parse_early if plain else None,
-                                                          device_verify=on_device if plain else None)
+                                                          device_verify=on_device if plain else None,
+                                                          meanwhile_beside_device=beside)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
     except EOFError as exc:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, cuda_rtc, device_crc, device_image, fastload, kernel_cache
+from checkpointd import CheckpointManager, bulkcopy, cuda_rtc, device_crc, device_image, fastload, kernel_cache, upload_native
 from checkpointd.errors import CorruptCheckpointError
 
 from test_restore_cuda import _assert_same, _model, _scramble, _trained
@@ -96,7 +96,44 @@ def test_a_fresh_process_loads_the_stored_kernel_and_rebuilds_a_corrupt_one(tmp_
     assert fresh() == {"ok": True, "origin": ["cache"]}
 
 
-def test_restore_verified_on_device_is_exact_and_in_place(saved, on_device) -> None:
+@pytest.mark.parametrize("n", [1, 4093, (2 << 20) + 1, (67 << 20) + 4093])
+def test_native_upload_equals_the_source(tmp_path, n) -> None:
+    """A mapped file (private mapping, pages faulted in by the upload's threads) into device memory that the
+    current stream was still writing (the copies must wait for it), with fewer slots than pieces."""
+    import mmap
+
+    assert upload_native.library() is not None, f"the GPU host builds the native upload: {upload_native.why_not}"
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    src = torch.frombuffer(m, dtype=torch.uint8)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(20_000_000)  # the current stream stays busy, then fills dst: the upload must come after
+    dst.fill_(7)
+    pinned = [torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
+    upload_native.upload_tensor(dst, src, pinned, workers=4)  # 8 slots of 512 KiB
+    assert torch.equal(dst.cpu(), torch.from_numpy(data))
+    del src
+    m.close()
+
+
+def test_a_native_upload_failure_falls_back_to_the_python_bounce(monkeypatch) -> None:
+    def broken(*a, **k):
+        raise upload_native.UploadError("native upload failed in cuMemcpyHtoDAsync (test)")
+
+    monkeypatch.setattr(upload_native, "upload_tensor", broken)
+    src = torch.randint(0, 256, ((5 << 20) + 3,), dtype=torch.uint8)
+    dst = torch.empty_like(src, device="cuda")
+    bulkcopy.upload_bytes(dst, src)
+    assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.parametrize("upload", ["native", "python"])
+def test_restore_verified_on_device_is_exact_and_in_place(saved, on_device, monkeypatch, upload) -> None:
+    monkeypatch.setenv(upload_native.UPLOAD_ENV, upload)
+    assert bulkcopy.uploads_off_gil() == (upload == "native")
     assert device_crc.kernel_available(torch.device("cuda")), "the GPU host builds the CRC kernels with NVRTC"
     root, ref_model, ref_opt = saved
     model, opt = _trained()

@@ -1,0 +1,70 @@
+"""Build the package's small C libraries with the system compiler, once per machine, into a private cache.
+
+Why a runtime build and not a wheel's extension: checkpointd installs as pure Python (``pip install``
+with no build step), and its C parts are optional accelerators with Python fallbacks
+(:mod:`checkpointd.planes_native`, :mod:`checkpointd.upload_native`). The first use compiles the
+shipped source with ``$CC`` (else ``cc``; ``-O3``, no ``-march``: the result may be shared by different
+hosts) into ``$CHECKPOINTD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/checkpointd`` or
+``~/.cache/checkpointd``; :mod:`checkpointd.kernel_cache`) under a name keyed by the source, the
+compiler, the flags and the machine, so every later process just loads it. Writes are atomic (a
+temporary file, then a rename), so ranks that start together cannot load a half-written library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from .kernel_cache import CACHE_DIR_ENV, cache_dir, check_private, private_folders
+
+NATIVE_ENV = "CHECKPOINTD_NATIVE"
+"""``0`` turns every C library off (the Python paths run)."""
+COMPILE_TIMEOUT_S = 120
+
+
+def disabled() -> bool:
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    """The C compiler command (``$CC`` or ``cc``) when it is on ``PATH``."""
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc.split()[0]) and cc
+
+
+def build(source: bytes, stem: str, cc: str, flags: Sequence[str]) -> Path:
+    """The shared library compiled from ``source``: from the cache, or compiled into it now."""
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(),
+                                      platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
+    last_error: Exception | None = None
+    for folder in private_folders():
+        target = folder / f"{stem}-{key}.so"
+        try:
+            if target.is_file():
+                check_private(target)
+                return target
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                src = Path(tmp) / f"{stem}.c"
+                src.write_bytes(source)
+                built = Path(tmp) / f"{stem}.so"
+                proc = subprocess.run([*cc.split(), *flags, "-o", str(built), str(src)], capture_output=True,
+                                      text=True, timeout=COMPILE_TIMEOUT_S)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+                os.chmod(built, 0o755)  # whatever the umask: loadable, writable by this user only
+                os.replace(built, target)  # atomic: a concurrent loader sees the old state or all of it
+            return target
+        except OSError as exc:  # an unwritable or shared folder: try the next
+            last_error = exc
+    raise RuntimeError(f"no private, writable folder for the compiled kernels ({cache_dir()} or the per-user temporary "
+                       f"folder; set {CACHE_DIR_ENV}){': ' + repr(last_error) if last_error else ''}")
+
+
+__all__ = ["NATIVE_ENV", "build", "compiler", "disabled"]

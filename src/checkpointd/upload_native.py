@@ -1,0 +1,165 @@
+"""Upload a host byte range to the GPU on native threads, holding no GIL (``upload_native.c``).
+
+Why: a restore that verifies on the GPU uploads each mapped file whole (:mod:`checkpointd.device_image`).
+Through :func:`checkpointd.bulkcopy._bounced_h2d` that upload is one Python thread whose every 16 MiB
+chunk takes and drops the GIL several times, so nothing else in the process may run Python meanwhile
+without slowing it: a parse of the other file beside it made restores slower (RESULTS.md, session 31),
+and the parses, the apply's planning and the next save's staging layout all waited for the uploads.
+``cpd_upload`` does the whole upload in one ``ctypes`` call (which releases the GIL): worker threads
+copy slot-sized pieces of the range into pinned slots and queue each slot's DMA on their own stream,
+reusing a slot once its DMA has finished. The pinned slots are the bounce pool's (same bytes pinned).
+
+Built on first use like the plane kernels (:mod:`checkpointd.native_build`); where it cannot be (no C
+compiler, ``CHECKPOINTD_NATIVE=0``, no CUDA driver) :func:`library` is None and callers use the Python
+bounce. ``CHECKPOINTD_RESTORE_UPLOAD=python`` forces the Python bounce (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import native_build
+
+logger = logging.getLogger("checkpointd")
+
+UPLOAD_ENV = "CHECKPOINTD_RESTORE_UPLOAD"
+_SOURCE = Path(__file__).with_name("upload_native.c")
+_ABI = 1
+_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
+SLOTS_PER_WORKER = 2
+"""A worker copies into one slot while the other's DMA drains."""
+MIN_SLOT_BYTES = 64 << 10
+"""Smaller slots (a tiny ``CHECKPOINTD_RESTORE_CHUNK_MB``) cost more in calls than they move: Python bounce."""
+
+DRIVER_FUNCTIONS = ("cuCtxSetCurrent", "cuStreamCreate", "cuStreamDestroy_v2", "cuStreamWaitEvent",
+                    "cuStreamSynchronize", "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord",
+                    "cuEventSynchronize", "cuMemcpyHtoDAsync_v2")
+"""The fields of ``struct cpd_cuda``, in order."""
+
+_WHERE = {0: "nowhere", 1: "cuCtxSetCurrent", 2: "cuStreamCreate", 3: "cuEventCreate", 4: "cuStreamWaitEvent",
+          5: "cuEventSynchronize (reusing a slot)", 6: "cuMemcpyHtoDAsync", 7: "cuEventRecord",
+          8: "cuStreamSynchronize", 9: "starting a thread"}
+
+
+class Driver(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in DRIVER_FUNCTIONS]
+
+
+class UploadError(RuntimeError):
+    """The native upload failed (the caller falls back to a path that needs none of it)."""
+
+
+_lock = threading.Lock()
+_loaded: Any = None
+_tried = False
+why_not = ""
+"""Why the native upload is not in use ("" when it is, or before the first try)."""
+
+
+def _load() -> Any:
+    global why_not
+    if native_build.disabled():
+        why_not = f"{native_build.NATIVE_ENV}=0"
+        return None
+    cc = native_build.compiler()
+    if not cc:
+        why_not = "no C compiler (set CC or install cc)"
+        logger.info("checkpointd: %s for the native upload; restores upload through the Python bounce", why_not)
+        return None
+    try:
+        lib = ctypes.CDLL(str(native_build.build(_SOURCE.read_bytes(), "upload", cc, _FLAGS)))
+        if lib.cpd_upload_abi() != _ABI:
+            raise RuntimeError(f"library ABI {lib.cpd_upload_abi()}, expected {_ABI}")
+    except Exception as exc:  # noqa: BLE001 - any failure means the Python bounce
+        why_not = str(exc)
+        logger.warning("checkpointd: native upload unavailable (%s); restores upload through the Python bounce", exc)
+        return None
+    lib.cpd_upload.restype = ctypes.c_int
+    lib.cpd_upload.argtypes = [ctypes.POINTER(Driver), ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.POINTER(ctypes.c_int)]
+    return lib
+
+
+def library() -> Any:
+    """The loaded library, or None (callers use the Python bounce); built on the first call."""
+    global _loaded, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _loaded = _load()
+                _tried = True
+    return _loaded
+
+
+def wanted() -> bool:
+    """Whether restores should upload natively (``CHECKPOINTD_RESTORE_UPLOAD``: ``auto``/``native`` or ``python``)."""
+    value = os.environ.get(UPLOAD_ENV, "auto").strip().lower()
+    if value not in ("auto", "native", "python"):
+        raise ValueError(f"{UPLOAD_ENV}={value!r}: expected 'auto', 'native' or 'python'")
+    return value != "python"
+
+
+def upload(lib: Any, driver: Driver, ctx: int, dst: int, src: int, n: int, slots: Sequence[int], slot_bytes: int,
+           workers: int, after_event: int | None) -> None:
+    """Copy ``n`` host bytes at address ``src`` to the device address ``dst`` (finished on return).
+
+    ``slots``: ``workers x SLOTS_PER_WORKER`` pinned buffers of ``slot_bytes``, used by nothing else during
+    the call; ``after_event``: a CUDA event the copies wait for first (work queued on the destination).
+    Raises :class:`UploadError` naming the driver call that failed.
+    """
+    if len(slots) < workers * SLOTS_PER_WORKER:
+        raise ValueError(f"{len(slots)} slots for {workers} workers: need {workers * SLOTS_PER_WORKER}")
+    table = (ctypes.c_void_p * len(slots))(*slots)
+    where = ctypes.c_int(0)
+    rc = lib.cpd_upload(ctypes.byref(driver), ctypes.c_void_p(ctx), dst, ctypes.c_void_p(src), n, table, slot_bytes,
+                        workers, SLOTS_PER_WORKER, ctypes.c_void_p(after_event or 0), ctypes.byref(where))
+    if rc != 0:
+        raise UploadError(f"native upload of {n} bytes failed in {_WHERE.get(where.value, where.value)} (error {rc})")
+
+
+_drivers: dict[int, Driver] = {}
+
+
+def cuda_driver() -> Driver:
+    """The real driver's entry points (:mod:`checkpointd.cuda_rtc` loads ``libcuda``)."""
+    from .cuda_rtc import driver_functions
+
+    with _lock:
+        if 0 not in _drivers:
+            _drivers[0] = Driver(*driver_functions(DRIVER_FUNCTIONS))
+        return _drivers[0]
+
+
+def upload_tensor(dst: torch.Tensor, src: torch.Tensor, pinned: Sequence[torch.Tensor], workers: int) -> None:
+    """``dst.copy_(src)`` for a CUDA ``dst`` and a CPU ``src``, both 1-D uint8 of one size, through ``pinned``
+    (the chunks cut into ``workers x SLOTS_PER_WORKER`` equal slots: 2 MiB for the default 4 x 16 MiB and 16
+    workers); finished on return. Raises :class:`UploadError` where that cannot run."""
+    from .cuda_rtc import primary_context
+
+    lib = library()
+    if lib is None:
+        raise UploadError(f"native upload unavailable: {why_not}")
+    n = dst.numel()
+    if src.numel() != n or dst.dtype != torch.uint8 or src.dtype != torch.uint8 or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("upload_tensor copies one contiguous uint8 buffer into another of the same size")
+    per_chunk = -(-workers * SLOTS_PER_WORKER // len(pinned)) if pinned else 0
+    slot_bytes = min(p.numel() for p in pinned) // per_chunk if pinned else 0
+    if slot_bytes < MIN_SLOT_BYTES:
+        raise UploadError(f"{len(pinned)} pinned chunks are too small for {workers} workers' slots")
+    slots = [p.data_ptr() + k * slot_bytes for p in pinned for k in range(per_chunk)][:workers * SLOTS_PER_WORKER]
+    index = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
+    after = torch.cuda.Event()
+    after.record(torch.cuda.current_stream(dst.device))  # what the caller queued on dst comes first
+    upload(lib, cuda_driver(), primary_context(index), dst.data_ptr(), src.data_ptr(), n, slots, slot_bytes, workers,
+           after.cuda_event)
+
+
+__all__ = ["Driver", "UPLOAD_ENV", "UploadError", "library", "upload", "upload_tensor", "wanted"]
