@@ -124,12 +124,18 @@ class FakeDriver:
 
 
 def _run(lib, driver, n, workers, slot_bytes, seed=0):
-    src = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-    dst = np.zeros(n, dtype=np.uint8)
+    src, dst = _run_ranges(lib, driver, [n], workers, slot_bytes, seed)
+    return src[0], dst[0]
+
+
+def _run_ranges(lib, driver, sizes, workers, slot_bytes, seed=0):
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dsts = [np.zeros(n, dtype=np.uint8) for n in sizes]
     slots = [np.zeros(slot_bytes, dtype=np.uint8) for _ in range(workers * upload_native.SLOTS_PER_WORKER)]
-    upload_native.upload(lib, driver.struct, 0xC0, int(dst.ctypes.data), int(src.ctypes.data), n,
-                         [int(s.ctypes.data) for s in slots], slot_bytes, workers, None)
-    return src, dst
+    ranges = [(int(d.ctypes.data), int(s.ctypes.data), n) for d, s, n in zip(dsts, srcs, sizes)]
+    upload_native.upload(lib, driver.struct, 0xC0, ranges, [int(s.ctypes.data) for s in slots], slot_bytes, workers, None)
+    return srcs, dsts
 
 
 @pytest.mark.parametrize("n,workers,slot", [(1, 1, 4096), (4096 * 7 + 3, 1, 4096), ((5 << 20) + 123, 3, 64 << 10),
@@ -141,6 +147,16 @@ def test_every_byte_arrives_with_slots_reused_only_after_their_copy(lib, n, work
     assert driver.copies == -(-n // slot)
     assert driver.contexts == {0xC0}  # every worker made the caller's context current
     assert not driver.live_streams and not driver.live_events  # all released
+
+
+def test_many_ranges_of_every_size_each_arrive_whole(lib) -> None:
+    """Tensors of a restore: empty ones, ones smaller than a slot, ones of several slots (ends unaligned)."""
+    sizes = [0, 1, 4095, 0, 4096, 4097, 3 * 4096 + 11, 7, 0, 20 * 4096 + 1, 0]
+    driver = FakeDriver()
+    srcs, dsts = _run_ranges(lib, driver, sizes, 3, 4096, seed=1)
+    for n, s, d in zip(sizes, srcs, dsts):
+        assert np.array_equal(d, s), n
+    assert driver.copies == sum(-(-n // 4096) for n in sizes)  # each range in pieces of its own
 
 
 def test_a_failing_driver_call_is_named_and_every_thread_stops(lib) -> None:
@@ -159,7 +175,7 @@ def test_nothing_to_copy_calls_nothing(lib) -> None:
 
 def test_too_few_slots_is_refused_before_the_call(lib) -> None:
     with pytest.raises(ValueError, match="slots"):
-        upload_native.upload(lib, FakeDriver().struct, 0, 0, 0, 10, [0, 0, 0], 4096, 2, None)
+        upload_native.upload(lib, FakeDriver().struct, 0, [(0, 0, 10)], [0, 0, 0], 4096, 2, None)
 
 
 def test_the_switch_chooses_the_python_bounce(monkeypatch) -> None:

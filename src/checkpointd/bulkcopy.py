@@ -32,9 +32,9 @@ pinned memory, kept until a save commits (:func:`release_pinned`).
 Every copy is finished (streams synchronised) before :func:`copy_pairs` returns, so callers and the
 training loop may use the tensors at once, on any stream. CPU-only builds only ever do plain copies.
 
-One contiguous upload (:func:`upload_bytes`: a mapped file's image for the device checksum) goes through
-:mod:`checkpointd.upload_native` instead where that is built: the same pinned chunks cut into slots,
-native threads, no GIL held (H200, 4.83 GB from tmpfs: 49 GB/s against 35 here; RESULTS.md, session 34).
+Where :mod:`checkpointd.upload_native` is built, the bounce (:func:`copy_pairs`' and :func:`upload_bytes`',
+a mapped file's image for the device checksum) runs there instead: the same pinned chunks cut into
+slots, native threads, no GIL held (H200, 4.83 GB from tmpfs: 49 GB/s against 35; RESULTS.md, session 34).
 """
 
 from __future__ import annotations
@@ -279,19 +279,11 @@ def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it).
 
     Natively where :func:`uploads_off_gil` (:mod:`checkpointd.upload_native`: the same pinned chunks,
-    no GIL held), else through :func:`_bounced_h2d`. The copy threads fault a fresh mapping's pages in
+    no GIL held), else through the Python bounce (:func:`_bounced_h2d`). The copy threads fault a fresh mapping's pages in
     as they read. Mapping them ahead on other threads (``MADV_POPULATE_READ``, every chunk queued at
     once) made a restore of 4.83 GB slower on H200 hosts in every variant tried: best 221 and 204 ms
     with 2 and 4 threads against 160 without, 213 with 16 against 181 (RESULTS.md, session 30),
     presumably the populating threads competing with the copy's."""
-    if uploads_off_gil():
-        pool, _ = _pool(dst.device)
-        with pool.lock:  # the chunks are the pool's: one copy at a time uses them
-            try:
-                upload_native.upload_tensor(dst, src, pool.pinned_chunks(), pool.threads)
-                return
-            except upload_native.UploadError as exc:
-                logger.warning("checkpointd: %s; uploading through the Python bounce", exc)
     _bounced_h2d(dst.device, [(dst, src)])
 
 
@@ -367,8 +359,18 @@ def _bounced_h2d(device: torch.device, items: list[Pair]) -> None:
     """Chunk by chunk: host copy into a pinned chunk (intra-op threads), then its DMA on a side stream.
 
     Pairs below :data:`PACK_BELOW_BYTES` are packed: gathered into one chunk on the host, sent in one
-    DMA to a device-side chunk, scattered from there by one fused copy."""
+    DMA to a device-side chunk, scattered from there by one fused copy.
+
+    Natively instead where :func:`uploads_off_gil` (every pair a range of the native upload, small ones
+    in slot-sized pieces of their own: no GIL held, nothing packed), falling back to the above if that fails."""
     pool, _ = _pool(device)
+    if uploads_off_gil():
+        with pool.lock:  # the chunks are the pool's: one copy at a time uses them
+            try:
+                upload_native.upload_pairs(items, pool.pinned_chunks(), pool.threads)
+                return
+            except upload_native.UploadError as exc:
+                logger.warning("checkpointd: %s; copying through the Python bounce", exc)
     below = min(PACK_BELOW_BYTES, pool.chunk)  # a pack fits one chunk
     small = [p for p in items if p[0].numel() < below]
     large = [p for p in items if p[0].numel() >= below]

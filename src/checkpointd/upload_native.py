@@ -1,13 +1,16 @@
-"""Upload a host byte range to the GPU on native threads, holding no GIL (``upload_native.c``).
+"""Upload host byte ranges to the GPU on native threads, holding no GIL (``upload_native.c``).
 
-Why: a restore that verifies on the GPU uploads each mapped file whole (:mod:`checkpointd.device_image`).
-Through :func:`checkpointd.bulkcopy._bounced_h2d` that upload is one Python thread whose every 16 MiB
+Why: a restore uploads what it read to the GPU: each mapped file whole, for the device checksum
+(:mod:`checkpointd.device_image`), or the stored tensors' bytes into the live ones
+(:func:`checkpointd.bulkcopy.copy_pairs`, where the files were checksummed on the host). Through the
+Python bounce (:func:`checkpointd.bulkcopy._bounced_h2d`) that is one Python thread whose every 16 MiB
 chunk takes and drops the GIL several times, so nothing else in the process may run Python meanwhile
 without slowing it: a parse of the other file beside it made restores slower (RESULTS.md, session 31),
-and the parses, the apply's planning and the next save's staging layout all waited for the uploads.
-``cpd_upload`` does the whole upload in one ``ctypes`` call (which releases the GIL): worker threads
-copy slot-sized pieces of the range into pinned slots and queue each slot's DMA on their own stream,
-reusing a slot once its DMA has finished. The pinned slots are the bounce pool's (same bytes pinned).
+and the parses waited for the uploads. ``cpd_upload`` does a whole upload in one ``ctypes`` call (which
+releases the GIL): worker threads take slot-sized pieces of the ranges in turn, copy each into one of
+their pinned slots and queue its DMA on their own stream, reusing a slot once its DMA has finished. The
+pinned slots are the bounce pool's (the same bytes pinned). H200, 4.83 GB from tmpfs: 49 GB/s against
+35 through the Python bounce, a restore 130 ms against 172 (RESULTS.md, session 34).
 
 Built on first use like the plane kernels (:mod:`checkpointd.native_build`); where it cannot be (no C
 compiler, ``CHECKPOINTD_NATIVE=0``, no CUDA driver) :func:`library` is None and callers use the Python
@@ -31,7 +34,7 @@ logger = logging.getLogger("checkpointd")
 
 UPLOAD_ENV = "CHECKPOINTD_RESTORE_UPLOAD"
 _SOURCE = Path(__file__).with_name("upload_native.c")
-_ABI = 1
+_ABI = 2
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 SLOTS_PER_WORKER = 2
 """A worker copies into one slot while the other's DMA drains."""
@@ -82,8 +85,8 @@ def _load() -> Any:
         logger.warning("checkpointd: native upload unavailable (%s); restores upload through the Python bounce", exc)
         return None
     lib.cpd_upload.restype = ctypes.c_int
-    lib.cpd_upload.argtypes = [ctypes.POINTER(Driver), ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    lib.cpd_upload.argtypes = [ctypes.POINTER(Driver), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                ctypes.POINTER(ctypes.c_int)]
     return lib
 
@@ -107,22 +110,28 @@ def wanted() -> bool:
     return value != "python"
 
 
-def upload(lib: Any, driver: Driver, ctx: int, dst: int, src: int, n: int, slots: Sequence[int], slot_bytes: int,
-           workers: int, after_event: int | None) -> None:
-    """Copy ``n`` host bytes at address ``src`` to the device address ``dst`` (finished on return).
+def upload(lib: Any, driver: Driver, ctx: int, ranges: Sequence[tuple[int, int, int]], slots: Sequence[int],
+           slot_bytes: int, workers: int, after_event: int | None) -> None:
+    """Copy each ``(device address, host address, length)`` of ``ranges`` (finished on return).
 
     ``slots``: ``workers x SLOTS_PER_WORKER`` pinned buffers of ``slot_bytes``, used by nothing else during
-    the call; ``after_event``: a CUDA event the copies wait for first (work queued on the destination).
+    the call; ``after_event``: a CUDA event the copies wait for first (work queued on the destinations).
     Raises :class:`UploadError` naming the driver call that failed.
     """
     if len(slots) < workers * SLOTS_PER_WORKER:
         raise ValueError(f"{len(slots)} slots for {workers} workers: need {workers * SLOTS_PER_WORKER}")
+    n = len(ranges)
+    dsts = (ctypes.c_uint64 * n)(*[r[0] for r in ranges])
+    srcs = (ctypes.c_void_p * n)(*[r[1] for r in ranges])
+    lens = (ctypes.c_int64 * n)(*[r[2] for r in ranges])
     table = (ctypes.c_void_p * len(slots))(*slots)
     where = ctypes.c_int(0)
-    rc = lib.cpd_upload(ctypes.byref(driver), ctypes.c_void_p(ctx), dst, ctypes.c_void_p(src), n, table, slot_bytes,
+    rc = lib.cpd_upload(ctypes.byref(driver), ctypes.c_void_p(ctx), dsts, srcs, lens, n, table, slot_bytes,
                         workers, SLOTS_PER_WORKER, ctypes.c_void_p(after_event or 0), ctypes.byref(where))
     if rc != 0:
-        raise UploadError(f"native upload of {n} bytes failed in {_WHERE.get(where.value, where.value)} (error {rc})")
+        total = sum(r[2] for r in ranges)
+        raise UploadError(f"native upload of {total} bytes in {n} ranges failed in "
+                          f"{_WHERE.get(where.value, where.value)} (error {rc})")
 
 
 _drivers: dict[int, Driver] = {}
@@ -138,28 +147,33 @@ def cuda_driver() -> Driver:
         return _drivers[0]
 
 
-def upload_tensor(dst: torch.Tensor, src: torch.Tensor, pinned: Sequence[torch.Tensor], workers: int) -> None:
-    """``dst.copy_(src)`` for a CUDA ``dst`` and a CPU ``src``, both 1-D uint8 of one size, through ``pinned``
-    (the chunks cut into ``workers x SLOTS_PER_WORKER`` equal slots: 2 MiB for the default 4 x 16 MiB and 16
-    workers); finished on return. Raises :class:`UploadError` where that cannot run."""
+def upload_pairs(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pinned: Sequence[torch.Tensor], workers: int) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` of ``items``: CUDA ``dst`` (all on one device), CPU ``src``,
+    both 1-D uint8 of one size, through ``pinned`` (the chunks cut into ``workers x SLOTS_PER_WORKER`` equal
+    slots: 2 MiB for the default 4 x 16 MiB and 16 workers); finished on return. Raises
+    :class:`UploadError` where that cannot run (the caller copies another way)."""
     from .cuda_rtc import primary_context
 
     lib = library()
     if lib is None:
         raise UploadError(f"native upload unavailable: {why_not}")
-    n = dst.numel()
-    if src.numel() != n or dst.dtype != torch.uint8 or src.dtype != torch.uint8 or not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError("upload_tensor copies one contiguous uint8 buffer into another of the same size")
+    if not items:
+        return
+    device = items[0][0].device
+    for dst, src in items:
+        if (dst.device != device or src.device.type != "cpu" or dst.numel() != src.numel() or dst.dtype != torch.uint8
+                or src.dtype != torch.uint8 or not (dst.is_contiguous() and src.is_contiguous())):
+            raise ValueError("upload_pairs copies contiguous CPU uint8 buffers into CUDA ones of the same size on one device")
     per_chunk = -(-workers * SLOTS_PER_WORKER // len(pinned)) if pinned else 0
     slot_bytes = min(p.numel() for p in pinned) // per_chunk if pinned else 0
     if slot_bytes < MIN_SLOT_BYTES:
         raise UploadError(f"{len(pinned)} pinned chunks are too small for {workers} workers' slots")
     slots = [p.data_ptr() + k * slot_bytes for p in pinned for k in range(per_chunk)][:workers * SLOTS_PER_WORKER]
-    index = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     after = torch.cuda.Event()
-    after.record(torch.cuda.current_stream(dst.device))  # what the caller queued on dst comes first
-    upload(lib, cuda_driver(), primary_context(index), dst.data_ptr(), src.data_ptr(), n, slots, slot_bytes, workers,
-           after.cuda_event)
+    after.record(torch.cuda.current_stream(device))  # what the caller queued on the destinations comes first
+    upload(lib, cuda_driver(), primary_context(index), [(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in items],
+           slots, slot_bytes, workers, after.cuda_event)
 
 
-__all__ = ["Driver", "UPLOAD_ENV", "UploadError", "library", "upload", "upload_tensor", "wanted"]
+__all__ = ["Driver", "UPLOAD_ENV", "UploadError", "library", "upload", "upload_pairs", "wanted"]

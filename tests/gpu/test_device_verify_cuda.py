@@ -113,7 +113,7 @@ def test_native_upload_equals_the_source(tmp_path, n) -> None:
     torch.cuda._sleep(20_000_000)  # the current stream stays busy, then fills dst: the upload must come after
     dst.fill_(7)
     pinned = [torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
-    upload_native.upload_tensor(dst, src, pinned, workers=4)  # 8 slots of 512 KiB
+    upload_native.upload_pairs([(dst, src)], pinned, workers=4)  # 8 slots of 512 KiB
     assert torch.equal(dst.cpu(), torch.from_numpy(data))
     del src
     m.close()
@@ -123,7 +123,7 @@ def test_a_native_upload_failure_falls_back_to_the_python_bounce(monkeypatch) ->
     def broken(*a, **k):
         raise upload_native.UploadError("native upload failed in cuMemcpyHtoDAsync (test)")
 
-    monkeypatch.setattr(upload_native, "upload_tensor", broken)
+    monkeypatch.setattr(upload_native, "upload_pairs", broken)
     src = torch.randint(0, 256, ((5 << 20) + 3,), dtype=torch.uint8)
     dst = torch.empty_like(src, device="cuda")
     bulkcopy.upload_bytes(dst, src)

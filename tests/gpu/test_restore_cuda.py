@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from checkpointd import CheckpointManager, bulkcopy
+from checkpointd import CheckpointManager, bulkcopy, upload_native
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -118,7 +118,18 @@ def test_restore_into_fresh_optimizer(saved, monkeypatch, strategy) -> None:
     _assert_same(ref_model, ref_opt, model, opt)
 
 
-def test_bounce_copies_dtype_cast_and_layout_change() -> None:
+UPLOADS = ["native", "python"]
+
+
+def _use(monkeypatch, upload: str) -> None:
+    """The bounce natively (``upload_native``, the default where a C compiler is) or in Python."""
+    monkeypatch.setenv(upload_native.UPLOAD_ENV, upload)
+    assert bulkcopy.uploads_off_gil() == (upload == "native"), upload_native.why_not
+
+
+@pytest.mark.parametrize("upload", UPLOADS)
+def test_bounce_copies_dtype_cast_and_layout_change(monkeypatch, upload) -> None:
+    _use(monkeypatch, upload)
     src = torch.randn(64, 3, 5, 5)
     dst_cl = torch.empty(64, 3, 5, 5, device="cuda").to(memory_format=torch.channels_last)
     dst_bf = torch.empty(64, 3, 5, 5, device="cuda", dtype=torch.bfloat16)
@@ -131,9 +142,12 @@ def test_bounce_copies_dtype_cast_and_layout_change() -> None:
     assert torch.equal(big_dst.cpu(), big_src)
 
 
-def test_bounce_packs_many_small_pairs_exactly(monkeypatch) -> None:
+@pytest.mark.parametrize("upload", UPLOADS)
+def test_bounce_packs_many_small_pairs_exactly(monkeypatch, upload) -> None:
     """Pairs below ``PACK_BELOW_BYTES`` share chunks (gathered, one DMA, scattered on the device): with
-    1 MiB chunks, 200 small tensors of mixed dtypes fill many more packs than the ring has chunks."""
+    1 MiB chunks, 200 small tensors of mixed dtypes fill many more packs than the ring has chunks. (The
+    native upload packs nothing: each pair its own pieces.)"""
+    _use(monkeypatch, upload)
     monkeypatch.setenv(bulkcopy.CHUNK_ENV, "1")
     g = torch.Generator().manual_seed(0)
     srcs = []
@@ -149,8 +163,10 @@ def test_bounce_packs_many_small_pairs_exactly(monkeypatch) -> None:
         assert d.dtype == s.dtype and torch.equal(d.cpu(), s)
 
 
-def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back() -> None:
+@pytest.mark.parametrize("upload", UPLOADS)
+def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back(monkeypatch, upload) -> None:
     """``torchrun`` sets one intra-op thread per rank: the bounce raises it for its copies, then restores it."""
+    _use(monkeypatch, upload)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

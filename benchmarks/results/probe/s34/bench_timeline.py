@@ -1,7 +1,7 @@
 """Session 34 probe: session 31's timeline probe with the native upload's call timed too.
 
 Runs ``bench_restore.py`` unchanged (same arguments) with the library steps wrapped as in session 31's
-``restore_ab.py`` plus ``upload_native.upload_tensor`` ("native_upload"), and prints each warm
+``restore_ab.py`` plus ``upload_native.upload_pairs`` ("native_upload"; ``upload_tensor`` in s34a's library), and prints each warm
 ``restore_latest`` as a timeline tagged with ``CHECKPOINTD_RESTORE_UPLOAD`` / ``_VERIFY`` where a row set them.
 
 Run: python benchmarks/results/probe/s34/bench_timeline.py <bench_restore.py arguments>
@@ -24,7 +24,7 @@ def main() -> None:
     from checkpointd import upload_native
     import checkpointd.manager as M
 
-    A.timed(upload_native, "upload_tensor", "native_upload")
+    A.timed(upload_native, "upload_tensor" if hasattr(upload_native, "upload_tensor") else "upload_pairs", "native_upload")
     real = M.CheckpointManager.restore_latest
 
     @functools.wraps(real)
