@@ -44,7 +44,8 @@ STATE_GB=${STATE_GB:-5}
 # device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. The stall_dist stage
 # (session 27, 2x H200) took 361 s with ten runs a side (the default is seven). Session 33 (H200): stall
 # and persist_tmpfs 350 s together; restore_tmpfs (then 3 repetitions) and compression ~245 s; persist_disk
-# (2 rounds) ~225 s. To fit a time limit set
+# (2 rounds) ~225 s. Session 34 (H200): restore_tmpfs with 5 repetitions 330-380 s alone (the prefault
+# included). To fit a time limit set
 # BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
