@@ -186,3 +186,100 @@ def test_the_switch_chooses_the_python_bounce(monkeypatch) -> None:
     monkeypatch.setenv(upload_native.UPLOAD_ENV, "fast")
     with pytest.raises(ValueError, match="CHECKPOINTD_RESTORE_UPLOAD='fast'"):
         upload_native.wanted()
+
+
+@pytest.mark.parametrize("setting", ["off", "no compiler", "compiler fails", "python asked for"])
+def test_without_the_library_restores_take_the_python_bounce(setting, tmp_path, monkeypatch) -> None:
+    from checkpointd import bulkcopy
+
+    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(tmp_path / "cache"))
+    if setting == "off":
+        monkeypatch.setenv("CHECKPOINTD_NATIVE", "0")
+    elif setting == "no compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    elif setting == "compiler fails":
+        monkeypatch.setenv("CC", "false")  # found, exits 1
+    else:
+        monkeypatch.setenv(upload_native.UPLOAD_ENV, "python")
+    upload_native.reset()
+    try:
+        assert not bulkcopy.uploads_off_gil()
+        if setting == "python asked for":
+            assert upload_native.library() is not None or not os.environ.get("CI")
+        else:
+            assert upload_native.library() is None and upload_native.why_not
+            assert not list(tmp_path.rglob("*.so"))
+    finally:
+        upload_native.reset()
+
+
+def test_the_library_is_built_once_into_the_private_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(tmp_path / "cache"))
+    upload_native.reset()
+    try:
+        loaded = upload_native.library()
+        if loaded is None:
+            if os.environ.get("CI"):
+                pytest.fail(f"native upload unavailable in CI: {upload_native.why_not}", pytrace=False)
+            pytest.skip(f"native upload unavailable: {upload_native.why_not}")
+        (built,) = (tmp_path / "cache").glob("upload-*.so")
+        assert loaded._name == str(built) and loaded.cpd_upload_abi() == upload_native._ABI
+    finally:
+        upload_native.reset()
+
+
+class _FakeEvent:
+    cuda_event = None
+
+    def record(self, stream=None) -> None:
+        pass
+
+
+def _as_if_on_cuda(monkeypatch, driver) -> None:
+    """``upload_pairs``' CUDA calls answered on the CPU: the fake driver, a fake context and event."""
+    import torch
+
+    from checkpointd import cuda_rtc
+
+    monkeypatch.setattr(upload_native, "cuda_driver", lambda: driver.struct)
+    monkeypatch.setattr(cuda_rtc, "primary_context", lambda index: 0xC0)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_upload_pairs_cuts_the_pinned_chunks_into_every_workers_slots(lib, monkeypatch) -> None:
+    """The Python side of a restore's upload: pairs of every size, slots cut from the pool's chunks."""
+    import torch
+
+    driver = FakeDriver()
+    _as_if_on_cuda(monkeypatch, driver)
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 1, 70_000, 300_000, 5, 1 << 20)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    pinned = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in range(4)]  # 4 x 256 KiB: 8 slots of 128 KiB for 4 workers
+    upload_native.upload_pairs(list(zip(dsts, srcs)), pinned, workers=4)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+    assert driver.copies == sum(-(-s.numel() // (128 << 10)) for s in srcs)
+    with pytest.raises(upload_native.UploadError, match="too small"):
+        upload_native.upload_pairs(list(zip(dsts, srcs)), [torch.zeros(4096, dtype=torch.uint8)] * 4, workers=16)
+    with pytest.raises(ValueError, match="contiguous"):
+        upload_native.upload_pairs([(dsts[2][::2], srcs[2][::2])], pinned, workers=4)
+
+
+def test_upload_pairs_without_a_driver_says_so_as_an_upload_error(lib, monkeypatch) -> None:
+    """An upload error is what ``bulkcopy`` falls back on; a missing driver entry point must be one."""
+    import torch
+
+    from checkpointd import cuda_rtc
+
+    _as_if_on_cuda(monkeypatch, FakeDriver())
+
+    def no_driver():
+        raise cuda_rtc.KernelUnavailable("none of libcuda.so.1, libcuda.so could be loaded")
+
+    monkeypatch.setattr(upload_native, "cuda_driver", no_driver)
+    src = torch.ones(10, dtype=torch.uint8)
+    with pytest.raises(upload_native.UploadError, match="cannot reach the CUDA driver"):
+        upload_native.upload_pairs([(torch.zeros_like(src), src)], [torch.zeros(1 << 20, dtype=torch.uint8)] * 4, 2)

@@ -12,17 +12,22 @@ temporary file, then a rename), so ranks that start together cannot load a half-
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .kernel_cache import CACHE_DIR_ENV, cache_dir, check_private, private_folders
+
+logger = logging.getLogger("checkpointd")
 
 NATIVE_ENV = "CHECKPOINTD_NATIVE"
 """``0`` turns every C library off (the Python paths run)."""
@@ -67,4 +72,60 @@ def build(source: bytes, stem: str, cc: str, flags: Sequence[str]) -> Path:
                        f"folder; set {CACHE_DIR_ENV}){': ' + repr(last_error) if last_error else ''}")
 
 
-__all__ = ["NATIVE_ENV", "build", "compiler", "disabled"]
+class NativeLibrary:
+    """One shipped C library, built and loaded on the first :meth:`get`, or None with the reason in
+    :attr:`why_not` (its callers then run their Python path).
+
+    ``abi``: the name and value of the ``int f(void)`` the source exports, checked at load (a cached
+    library built from another source is never used); ``configure`` declares the functions' ctypes
+    signatures; ``fallback`` ends the log line that says what runs instead.
+    """
+
+    def __init__(self, source: Path, stem: str, flags: Sequence[str], abi: tuple[str, int],
+                 configure: Callable[[Any], None], what: str, fallback: str) -> None:
+        self.source, self.stem, self.flags = source, stem, list(flags)
+        self.abi, self.configure, self.what, self.fallback = abi, configure, what, fallback
+        self._lock = threading.Lock()
+        self._loaded: Any = None
+        self._tried = False
+        self.why_not = ""
+        """Why the library is not in use ("" when it is, or before the first try)."""
+
+    def get(self) -> Any:
+        """The loaded library (a ``ctypes.CDLL``), or None; built on the first call."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    self._loaded = self._load()
+                    self._tried = True
+        return self._loaded
+
+    def reset(self) -> None:
+        """Forget the loaded state so the next :meth:`get` decides again (tests)."""
+        with self._lock:
+            self._loaded, self._tried, self.why_not = None, False, ""
+
+    def _load(self) -> Any:
+        if disabled():
+            self.why_not = f"{NATIVE_ENV}=0"
+            return None
+        cc = compiler()
+        if not cc:
+            self.why_not = "no C compiler (set CC or install cc)"
+            logger.info("checkpointd: %s for the %s; %s", self.why_not, self.what, self.fallback)
+            return None
+        name, expected = self.abi
+        try:
+            lib = ctypes.CDLL(str(build(self.source.read_bytes(), self.stem, cc, self.flags)))
+            got = getattr(lib, name)()
+            if got != expected:
+                raise RuntimeError(f"library ABI {got}, expected {expected}")
+            self.configure(lib)
+        except Exception as exc:  # noqa: BLE001 - any failure means the Python path
+            self.why_not = str(exc)
+            logger.warning("checkpointd: %s unavailable (%s); %s", self.what, exc, self.fallback)
+            return None
+        return lib
+
+
+__all__ = ["NATIVE_ENV", "NativeLibrary", "build", "compiler", "disabled"]

@@ -15,8 +15,6 @@ the system C compiler, once per machine, into a private cache folder). Without a
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,39 +22,12 @@ import numpy as np
 
 from . import native_build
 
-logger = logging.getLogger("checkpointd")
-
 NATIVE_ENV = native_build.NATIVE_ENV
 _SOURCE = Path(__file__).with_name("planes_native.c")
 _ABI = 1  # cpd_abi() of the source this module expects
 _FLAGS = ["-O3", "-std=gnu99", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_loaded: Any = None
-_tried = False
-why_not = ""
-"""Why the native kernels are not in use ("" when they are, or before the first try)."""
-
-
-def _load() -> Any:
-    global why_not
-    if native_build.disabled():
-        why_not = f"{NATIVE_ENV}=0"
-        return None
-    cc = native_build.compiler()
-    if not cc:
-        why_not = "no C compiler (set CC or install cc)"
-        logger.info("checkpointd: %s for the native plane kernels; zstd-planes uses NumPy (about half the speed)", why_not)
-        return None
-    try:
-        lib = ctypes.CDLL(str(native_build.build(_SOURCE.read_bytes(), "planes", cc, _FLAGS)))
-        if lib.cpd_abi() != _ABI:
-            raise RuntimeError(f"library ABI {lib.cpd_abi()}, expected {_ABI}")
-    except Exception as exc:  # noqa: BLE001 - any failure means the NumPy kernels
-        why_not = str(exc)
-        logger.warning("checkpointd: native plane kernels unavailable (%s); zstd-planes uses NumPy "
-                       "(same files, about half the speed)", exc)
-        return None
+def _declare(lib: Any) -> None:
     i64, i32 = ctypes.c_int64, ctypes.c_int32
     lib.cpd_decode_planes.restype = i64
     lib.cpd_decode_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -65,25 +36,26 @@ def _load() -> Any:
     lib.cpd_split_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
     lib.cpd_pack_nibbles.restype = i64
     lib.cpd_pack_nibbles.argtypes = [ctypes.c_void_p, i64, i32, ctypes.c_void_p, i64]
-    return lib
+
+
+_LIBRARY = native_build.NativeLibrary(_SOURCE, "planes", _FLAGS, ("cpd_abi", _ABI), _declare, "native plane kernels",
+                                      "zstd-planes uses NumPy (same files, about half the speed)")
 
 
 def library() -> Any:
     """The loaded native library, or None (NumPy kernels); built on the first call."""
-    global _loaded, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _loaded = _load()
-                _tried = True
-    return _loaded
+    return _LIBRARY.get()
 
 
 def reset() -> None:
     """Forget the loaded state so the next :func:`library` call decides again (tests)."""
-    global _loaded, _tried, why_not
-    with _lock:
-        _loaded, _tried, why_not = None, False, ""
+    _LIBRARY.reset()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "why_not":  # why the native kernels are not in use ("" when they are, or before the first try)
+        return _LIBRARY.why_not
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _address(buf: Any) -> int:

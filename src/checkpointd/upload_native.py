@@ -20,17 +20,14 @@ bounce. ``CHECKPOINTD_RESTORE_UPLOAD=python`` forces the Python bounce (benchmar
 from __future__ import annotations
 
 import ctypes
-import logging
+import functools
 import os
-import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from . import native_build
-
-logger = logging.getLogger("checkpointd")
 
 UPLOAD_ENV = "CHECKPOINTD_RESTORE_UPLOAD"
 _SOURCE = Path(__file__).with_name("upload_native.c")
@@ -59,47 +56,31 @@ class UploadError(RuntimeError):
     """The native upload failed (the caller falls back to a path that needs none of it)."""
 
 
-_lock = threading.Lock()
-_loaded: Any = None
-_tried = False
-why_not = ""
-"""Why the native upload is not in use ("" when it is, or before the first try)."""
-
-
-def _load() -> Any:
-    global why_not
-    if native_build.disabled():
-        why_not = f"{native_build.NATIVE_ENV}=0"
-        return None
-    cc = native_build.compiler()
-    if not cc:
-        why_not = "no C compiler (set CC or install cc)"
-        logger.info("checkpointd: %s for the native upload; restores upload through the Python bounce", why_not)
-        return None
-    try:
-        lib = ctypes.CDLL(str(native_build.build(_SOURCE.read_bytes(), "upload", cc, _FLAGS)))
-        if lib.cpd_upload_abi() != _ABI:
-            raise RuntimeError(f"library ABI {lib.cpd_upload_abi()}, expected {_ABI}")
-    except Exception as exc:  # noqa: BLE001 - any failure means the Python bounce
-        why_not = str(exc)
-        logger.warning("checkpointd: native upload unavailable (%s); restores upload through the Python bounce", exc)
-        return None
+def _declare(lib: Any) -> None:
     lib.cpd_upload.restype = ctypes.c_int
     lib.cpd_upload.argtypes = [ctypes.POINTER(Driver), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                ctypes.POINTER(ctypes.c_int)]
-    return lib
+
+
+_LIBRARY = native_build.NativeLibrary(_SOURCE, "upload", _FLAGS, ("cpd_upload_abi", _ABI), _declare, "native upload",
+                                      "restores upload through the Python bounce")
 
 
 def library() -> Any:
     """The loaded library, or None (callers use the Python bounce); built on the first call."""
-    global _loaded, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _loaded = _load()
-                _tried = True
-    return _loaded
+    return _LIBRARY.get()
+
+
+def reset() -> None:
+    """Forget the loaded state so the next :func:`library` call decides again (tests)."""
+    _LIBRARY.reset()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "why_not":  # why the native upload is not in use ("" when it is, or before the first try)
+        return _LIBRARY.why_not
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def wanted() -> bool:
@@ -134,17 +115,12 @@ def upload(lib: Any, driver: Driver, ctx: int, ranges: Sequence[tuple[int, int, 
                           f"{_WHERE.get(where.value, where.value)} (error {rc})")
 
 
-_drivers: dict[int, Driver] = {}
-
-
+@functools.lru_cache(maxsize=1)
 def cuda_driver() -> Driver:
-    """The real driver's entry points (:mod:`checkpointd.cuda_rtc` loads ``libcuda``)."""
+    """The real driver's entry points (:mod:`checkpointd.cuda_rtc` loads ``libcuda``), looked up once."""
     from .cuda_rtc import driver_functions
 
-    with _lock:
-        if 0 not in _drivers:
-            _drivers[0] = Driver(*driver_functions(DRIVER_FUNCTIONS))
-        return _drivers[0]
+    return Driver(*driver_functions(DRIVER_FUNCTIONS))
 
 
 def upload_pairs(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pinned: Sequence[torch.Tensor], workers: int) -> None:
@@ -152,11 +128,11 @@ def upload_pairs(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pinned: Seq
     both 1-D uint8 of one size, through ``pinned`` (the chunks cut into ``workers x SLOTS_PER_WORKER`` equal
     slots: 2 MiB for the default 4 x 16 MiB and 16 workers); finished on return. Raises
     :class:`UploadError` where that cannot run (the caller copies another way)."""
-    from .cuda_rtc import primary_context
+    from .cuda_rtc import KernelUnavailable, primary_context
 
     lib = library()
     if lib is None:
-        raise UploadError(f"native upload unavailable: {why_not}")
+        raise UploadError(f"native upload unavailable: {_LIBRARY.why_not}")
     if not items:
         return
     device = items[0][0].device
@@ -170,10 +146,14 @@ def upload_pairs(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pinned: Seq
         raise UploadError(f"{len(pinned)} pinned chunks are too small for {workers} workers' slots")
     slots = [p.data_ptr() + k * slot_bytes for p in pinned for k in range(per_chunk)][:workers * SLOTS_PER_WORKER]
     index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        driver, ctx = cuda_driver(), primary_context(index)
+    except KernelUnavailable as exc:  # no libcuda entry point or context: the caller's other path
+        raise UploadError(f"native upload cannot reach the CUDA driver: {exc}") from exc
     after = torch.cuda.Event()
     after.record(torch.cuda.current_stream(device))  # what the caller queued on the destinations comes first
-    upload(lib, cuda_driver(), primary_context(index), [(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in items],
-           slots, slot_bytes, workers, after.cuda_event)
+    upload(lib, driver, ctx, [(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in items], slots, slot_bytes, workers,
+           after.cuda_event)
 
 
-__all__ = ["Driver", "UPLOAD_ENV", "UploadError", "library", "upload", "upload_pairs", "wanted"]
+__all__ = ["Driver", "UPLOAD_ENV", "UploadError", "library", "reset", "upload", "upload_pairs", "wanted"]
