@@ -42,14 +42,10 @@ _LIBRARY = native_build.NativeLibrary(_SOURCE, "planes", _FLAGS, ("cpd_abi", _AB
                                       "zstd-planes uses NumPy (same files, about half the speed)")
 
 
-def library() -> Any:
-    """The loaded native library, or None (NumPy kernels); built on the first call."""
-    return _LIBRARY.get()
-
-
-def reset() -> None:
-    """Forget the loaded state so the next :func:`library` call decides again (tests)."""
-    _LIBRARY.reset()
+library = _LIBRARY.get
+"""The loaded library, or None (NumPy kernels); built on the first call."""
+reset = _LIBRARY.reset
+"""Forget the loaded state so the next :func:`library` call decides again (tests)."""
 
 
 def __getattr__(name: str) -> Any:

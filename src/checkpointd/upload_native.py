@@ -67,14 +67,10 @@ _LIBRARY = native_build.NativeLibrary(_SOURCE, "upload", _FLAGS, ("cpd_upload_ab
                                       "restores upload through the Python bounce")
 
 
-def library() -> Any:
-    """The loaded library, or None (callers use the Python bounce); built on the first call."""
-    return _LIBRARY.get()
-
-
-def reset() -> None:
-    """Forget the loaded state so the next :func:`library` call decides again (tests)."""
-    _LIBRARY.reset()
+library = _LIBRARY.get
+"""The loaded library, or None (callers use the Python bounce); built on the first call."""
+reset = _LIBRARY.reset
+"""Forget the loaded state so the next :func:`library` call decides again (tests)."""
 
 
 def __getattr__(name: str) -> Any:
