@@ -278,17 +278,17 @@ def upload_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy the CPU bytes ``src`` into the CUDA bytes ``dst`` (both 1-D uint8) through the pinned chunks;
     finished on return (:mod:`checkpointd.device_image` uploads a mapped file with it).
 
-    Natively where :func:`uploads_off_gil` (:mod:`checkpointd.upload_native`: the same pinned chunks,
-    no GIL held), else through the Python bounce (:func:`_bounced_h2d`). The copy threads fault a fresh mapping's pages in
-    as they read. Mapping them ahead on other threads (``MADV_POPULATE_READ``, every chunk queued at
-    once) made a restore of 4.83 GB slower on H200 hosts in every variant tried: best 221 and 204 ms
-    with 2 and 4 threads against 160 without, 213 with 16 against 181 (RESULTS.md, session 30),
-    presumably the populating threads competing with the copy's."""
+    :func:`_bounced_h2d` copies it: natively where :func:`uploads_off_gil`, else the Python bounce. The copy
+    threads fault a fresh mapping's pages in as they read. Mapping them ahead on other threads
+    (``MADV_POPULATE_READ``, every chunk queued at once) made a restore of 4.83 GB slower on H200 hosts in
+    every variant tried: best 221 and 204 ms with 2 and 4 threads against 160 without, 213 with 16 against
+    181 (RESULTS.md, session 30), presumably the populating threads competing with the copy's."""
     _bounced_h2d(dst.device, [(dst, src)])
 
 
 def uploads_off_gil() -> bool:
-    """Whether :func:`upload_bytes` runs holding no GIL (the native upload is wanted and built).
+    """Whether the bounce (:func:`upload_bytes`, :func:`copy_pairs`) runs holding no GIL: the native upload
+    (:mod:`checkpointd.upload_native`) is wanted and built.
 
     A restore then parses files beside the uploads (:func:`checkpointd.fastload.read_file_verified`);
     beside the Python bounce that made restores slower."""
