@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -61,6 +62,7 @@ def _context() -> Any:
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, be: str, args: tuple[Any, ...]) -> None:
     code = 1
+    _stderr_to_file(Path(out_dir, f"rank-{rank}.stderr"))
     try:
         import torch
         import torch.distributed as dist
@@ -92,6 +94,35 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
         os._exit(code)
 
 
+def _stderr_to_file(path: Path) -> None:
+    """Send this child's fd 2 to ``path`` and dump every thread's stack there on a fatal signal.
+
+    A rank that dies in C++ (SIGABRT from a ``std::terminate``, SIGSEGV) leaves no pickled traceback;
+    what it printed and faulthandler's stacks are then the only evidence, and the parent quotes them.
+    """
+    import faulthandler
+    import sys
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until os._exit
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+def _stderr_tail(path: Path, limit: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    text = text[-limit:].strip()
+    return f"\n  its stderr (last {limit} characters):\n" + "\n".join("    " + line for line in text.splitlines()) if text else ""
+
+
 class DistributedFailure(AssertionError):
     """A rank raised, exited abnormally, or the deadline passed."""
 
@@ -121,6 +152,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
         for p in procs:
             p.join(max(0.0, end - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:  # every thread's stack into its stderr file, then kill
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        if hung:
+            time.sleep(1.0)
         for r in hung:
             procs[r].kill()
         for p in procs:
@@ -130,8 +168,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
         for r, p in enumerate(procs):
             f = Path(out_dir, f"rank-{r}.pkl")
             if not f.exists():
-                why = "killed at the deadline" if r in hung else f"exited with code {p.exitcode} and no result"
-                errors.append(f"rank {r}: {why}")
+                why = ("killed at the deadline (the stacks below were dumped then)" if r in hung
+                       else f"exited with code {p.exitcode} and no result")
+                errors.append(f"rank {r}: {why}{_stderr_tail(Path(out_dir, f'rank-{r}.stderr'))}")
                 results.append(None)
                 continue
             payload = pickle.loads(f.read_bytes())
