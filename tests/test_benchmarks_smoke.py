@@ -364,7 +364,7 @@ def test_run_gpu_sh_runs_the_stages_asked_for(tmp_path: Path) -> None:
     """``STAGES`` splits the one-command run (e.g. over several shorter sessions sharing one ``OUT``)."""
     env = dict(os.environ, OUT=str(tmp_path / "out"), TMPFS_DIR=str(tmp_path / "t"), DISK_DIR=str(tmp_path / "d"),
                STAGES="restore_tmpfs", BENCH_ARGS="--cpu --tiny", CUDA_VISIBLE_DEVICES="", WHEELS=str(tmp_path / "none"),
-               PYTHON=sys.executable)
+               PYTHON=sys.executable, RESTORE_METHODS="raw,checkpointd", RESTORE_REPEAT="1")  # the stage, not every row
     proc = subprocess.run(["bash", str(BENCH / "run_gpu.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for skipped in ("stall", "persist_tmpfs", "compression", "persist_disk", "restore_disk", "stall_1gpu_half", "stall_dist"):
