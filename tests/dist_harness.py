@@ -109,7 +109,7 @@ def _stderr_to_file(path: Path) -> None:
         os.close(fd)
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until os._exit
         faulthandler.enable(file=sys.stderr, all_threads=True)
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)  # USR1: checkpointd's preemption signal
     except (OSError, AttributeError, ValueError):
         pass
 
@@ -154,7 +154,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, deadlin
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:  # every thread's stack into its stderr file, then kill
             try:
-                os.kill(procs[r].pid, signal.SIGUSR1)
+                os.kill(procs[r].pid, signal.SIGUSR2)
             except OSError:
                 pass
         if hung:

@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +30,15 @@ def ready(rank: int, world: int) -> Any:
     return rank
 
 
-def hang_on_rank1(rank: int, world: int) -> Any:
-    if rank == 1:
-        time.sleep(120)
+def hang_on_rank1(rank: int, world: int, root: str) -> Any:
+    """Rank 1 hangs with a manager open that took SIGUSR1 (its preemption signal) for itself."""
+    import torch
+
+    from checkpointd import CheckpointManager
+
+    with CheckpointManager(root, {"m": torch.nn.Linear(2, 2)}, save_on_signals=True, dist_timeout_secs=30):
+        if rank == 1:  # construction was collective; closing is not
+            time.sleep(120)
     return rank
 
 
@@ -46,10 +53,10 @@ def test_a_rank_killed_by_sigabrt_is_quoted_with_its_stack() -> None:
     assert "rank 0" not in text  # rank 0 finished; it is not blamed
 
 
-def test_a_hung_rank_is_killed_with_every_threads_stack() -> None:
+def test_a_hung_rank_is_killed_with_every_threads_stack(tmp_path: Path) -> None:
     assert run_distributed(ready, 2) == [0, 1]  # the forkserver is up: the deadline below is the rank's own
     with pytest.raises(DistributedFailure) as info:
-        run_distributed(hang_on_rank1, 2, deadline_secs=10)
+        run_distributed(hang_on_rank1, 2, str(tmp_path), deadline_secs=12)
     text = str(info.value)
     assert "ranks [1] were killed" in text
     assert "rank 1: killed at the deadline" in text
