@@ -8,7 +8,10 @@ Why not ``torch.multiprocessing.spawn``: it waits forever when a child hangs in 
   traceback) to a file; after ``destroy_process_group`` it leaves with ``os._exit`` so no atexit
   handler or stuck background thread can keep it alive;
 - the parent waits until ``deadline_secs``, then kills every child still running and fails with the
-  tracebacks it has.
+  tracebacks it has;
+- a child's stderr goes to a file, with ``faulthandler`` on: a rank that dies in C (SIGABRT, SIGSEGV) or
+  hangs (the parent sends SIGUSR2 before killing it) is reported with what it printed and every thread's
+  stack, where it would otherwise leave only its exit code.
 
 Backend: ``gloo`` on CPU by default; ``CHECKPOINTD_TEST_BACKEND=nccl`` runs the same scenarios on one
 GPU per rank (``torch.cuda.set_device(rank)``; tests pick the device with :func:`device`).
