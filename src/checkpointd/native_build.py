@@ -105,6 +105,17 @@ class NativeLibrary:
         with self._lock:
             self._loaded, self._tried, self.why_not = None, False, ""
 
+    def module_getattr(self, module: str) -> Callable[[str], Any]:
+        """A module-level ``__getattr__`` for the module that wraps this library: it serves ``why_not``
+        as it is now (a plain module attribute would keep the value it had when the module was imported)."""
+
+        def __getattr__(name: str) -> Any:
+            if name == "why_not":
+                return self.why_not
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+        return __getattr__
+
     def _load(self) -> Any:
         if disabled():
             self.why_not = f"{NATIVE_ENV}=0"

@@ -48,10 +48,8 @@ reset = _LIBRARY.reset
 """Forget the loaded state so the next :func:`library` call decides again (tests)."""
 
 
-def __getattr__(name: str) -> Any:
-    if name == "why_not":  # why the native kernels are not in use ("" when they are, or before the first try)
-        return _LIBRARY.why_not
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _LIBRARY.module_getattr(__name__)
+"""``why_not``: why the native kernels are not in use ("" when they are, or before the first try)."""
 
 
 def _address(buf: Any) -> int:

@@ -73,10 +73,8 @@ reset = _LIBRARY.reset
 """Forget the loaded state so the next :func:`library` call decides again (tests)."""
 
 
-def __getattr__(name: str) -> Any:
-    if name == "why_not":  # why the native upload is not in use ("" when it is, or before the first try)
-        return _LIBRARY.why_not
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _LIBRARY.module_getattr(__name__)
+"""``why_not``: why the native upload is not in use ("" when it is, or before the first try)."""
 
 
 def wanted() -> bool:
