@@ -64,10 +64,8 @@ def main() -> None:
         compression=None if args.compression == "none" else args.compression,
     )
     with mgr:
-        restored = mgr.restore_latest()
-        start = 0 if restored is None else restored + 1
-        print(f"{'resumed from step ' + str(restored) if restored is not None else 'starting fresh'}; "
-              f"committed steps: {mgr.steps()}")
+        start = mgr.resume()  # the step after the newest verified checkpoint (restored in place), or 0
+        print(f"{'resumed from step ' + str(start - 1) if start else 'starting fresh'}; committed steps: {mgr.steps()}")
         loss = torch.zeros(())
         t0 = time.perf_counter()
         for step in range(start, args.steps + 1):

@@ -28,6 +28,8 @@ def test_public_names_are_pinned():
         "CheckpointNotFoundError",
         "CheckpointTimeoutError",
         "ConfigError",
+        "LinkedPathError",
+        "RootInUseError",
         "CorruptCheckpointError",
         "IncompleteCheckpointError",
         "ManifestError",

@@ -1,4 +1,4 @@
-"""The ``checkpointd`` command line (SPEC §1, issue 4 part 6): in-process ``main(argv)`` and ``python -m``."""
+"""The ``checkpointd`` command line (SPEC §1): in-process ``main(argv)`` and ``python -m``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -18,8 +19,9 @@ import torch
 import checkpointd
 from checkpointd import CheckpointManager
 from checkpointd.cleanup import collect_garbage, parse_duration
-from checkpointd.cli import EXIT_CODES, Progress, main, parse_storage_options
+from checkpointd.cli import EXIT_CODES, EXIT_UNREACHABLE, Progress, RetryReporter, main, parse_storage_options
 from checkpointd.errors import ConfigError
+from checkpointd.retry import RetryEvent
 from checkpointd.storage import Store
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -71,12 +73,15 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 # -- ls -----------------------------------------------------------------------------------------------
 def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _leftover(root, 30, 10)
-    (root / "step-000000010" / "COMMITTED").write_text("garbage")
+    (root / "step-000000030" / "COMMITTED").write_text("garbage")  # not a valid marker: uncommitted
+    with open(root / "step-000000010" / "manifest.json", "a") as f:
+        f.write(" ")  # a valid marker, a manifest that no longer matches it: damaged
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["STEP", "STATUS", "TIME", "SIZE", "FILES", "CODEC", "METRICS"]
-    assert "DAMAGED" in out and "malformed" in out
+    assert "step 10 is DAMAGED" in out and "does not match" in out
+    assert "1 committed, 1 damaged, 1 uncommitted" in out
     row20 = next(line for line in lines if line.split()[:2] == ["20", "committed"])
     assert "loss=0.25" in row20
     assert any(line.split()[:2] == ["30", "uncommitted"] for line in lines)
@@ -92,7 +97,46 @@ def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_ls_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "ls", str(tmp_path / "missing"))
-    assert code == 2 and "nothing at" in err
+    assert code == 2 and "nothing at" in err and "no such file or directory" in err
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("checkpointd: error: "), err
+    return lines[0]
+
+
+def test_ls_exit_codes_of_what_is_not_a_checkpoint_root(root: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 with one line on stderr unless a committed step is listed, as ``ls --help`` says."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    (tmp_path / "a-file").write_text("hi")
+    cases = {"empty": "the directory is empty", "missing": "no such file or directory",
+             "other": "no step directories under", "a-file": "is a file, not a checkpoint root"}
+    for name, message in cases.items():
+        for json_flag in ([], ["--json"]):
+            code, out, err = run(capsys, "ls", *json_flag, str(tmp_path / name))
+            assert code == 2 and message in _one_error_line(err) and str(tmp_path / name) in err, (name, err)
+            assert "Traceback" not in err
+    help_text = " ".join(run(capsys, "ls", "--help")[1].split())
+    assert "Exit 0 when at least one step is committed; 2 when none is" in help_text
+
+    # only uncommitted and damaged steps: the listing is printed, and the exit code says no checkpoint
+    (root / "step-000000020" / "COMMITTED").unlink()
+    with open(root / "step-000000010" / "manifest.json", "a") as f:
+        f.write(" ")
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 2 and "10  DAMAGED" in out and "20  uncommitted" in out
+    assert "no committed step under" in _one_error_line(err)
+    code, out, err = run(capsys, "ls", "--json", str(root))
+    assert code == 2 and [r["status"] for r in json.loads(out)["steps"]] == ["damaged", "uncommitted"]
+
+
+def test_ls_of_a_real_root_exits_0(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0 and err == "" and "2 committed, 0 damaged, 0 uncommitted" in out
 
 
 # -- inspect ------------------------------------------------------------------------------------------
@@ -132,6 +176,30 @@ def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "verify", "--json", "--deep", str(root / "step-000000010"))
     doc = json.loads(out)
     assert code == 0 and doc["ok"] and [s["step"] for s in doc["steps"]] == [10]
+
+
+def test_verify_fails_naming_every_failing_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 0 only if every committed step verifies: a flipped data byte and a manifest that no longer
+    matches its marker both fail, each named; the intact step between them is reported OK."""
+    root = tmp_path / "root"
+    with CheckpointManager(str(root), _state(), keep_last=None) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step)
+    data = next(p for p in (root / "step-000000010").iterdir() if p.name.startswith("checkpoint"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with open(root / "step-000000030" / "manifest.json", "a") as f:
+        f.write(" ")
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1
+    assert "FAIL  step 10" in out and "OK    step 20" in out and "FAIL  step 30" in out
+    assert "2 of 3 step(s) FAILED verification: 10, 30" in out
+    code, out, _ = run(capsys, "verify", "--json", str(root))
+    doc = json.loads(out)
+    assert code == 1 and not doc["ok"] and {s["step"]: s["ok"] for s in doc["steps"]} == {10: False, 20: True, 30: False}
+    assert run(capsys, "verify", str(root / "step-000000020"))[0] == 0
+    assert run(capsys, "verify", str(root / "step-000000030"))[0] == 1
 
 
 # -- export -------------------------------------------------------------------------------------------
@@ -186,7 +254,8 @@ def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
     assert run(capsys, "gc", "--older-than", "30s", str(root))[0] == 0
     assert not young.exists()
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000010", "step-000000020"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".checkpointd")) == [
+        "step-000000010", "step-000000020"]  # the library's own bookkeeping (its lease) aside
     assert checkpointd.load(str(root), step=10)["extra"] == {"a": 1}
 
 
@@ -232,6 +301,24 @@ def test_usage_errors(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "export", str(root / "step-000000020"))[0] == 2
     code, _, err = run(capsys, "ls", "-o", "novalue", str(root))
     assert code == 2 and "KEY=VALUE" in err
+
+
+def test_an_option_the_backend_refuses_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "ls", "-o", f"endpoint_url=http://127.0.0.1:{_closed_port()}", "-o", "key=k",
+                       "-o", "secret=s", "-o", "no_such_option=1", "--retry-timeout", "0", "s3://bucket/x")
+    assert code == 2 and "no_such_option" in _one_error_line(err) and "--storage-option" in err
+
+
+def test_output_piped_into_a_closed_reader_ends_quietly(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``checkpointd ls ROOT | head -1``: the reader goes away; no error line, no traceback, exit 141."""
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["ls", str(root)]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_storage_options() -> None:
@@ -280,3 +367,90 @@ def test_python_m(tmp_path: Path) -> None:
     (root / "step-000000020" / "manifest.json").write_text("{}")
     bad = _cli("verify", str(root))
     assert bad.returncode == 1 and "FAILED verification: 20" in bad.stdout and "OK    step 10" in bad.stdout
+
+
+# -- storage that cannot be reached -------------------------------------------------------------------
+def _closed_port() -> int:
+    """A localhost port nothing listens on: bound, read, closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _unreachable(*argv: str, retry_timeout: str = "3") -> list[str]:
+    return [*argv, "s3://bucket/x", "-o", f"endpoint_url=http://127.0.0.1:{_closed_port()}", "-o", "key=k",
+            "-o", "secret=s", "--retry-timeout", retry_timeout]
+
+
+def test_unreachable_endpoint_reports_retries_and_ends_with_one_line() -> None:
+    started = time.monotonic()
+    proc = _cli(*_unreachable("ls"))
+    took = time.monotonic() - started
+    assert proc.returncode == EXIT_UNREACHABLE == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert all(line.startswith("checkpointd: ") for line in lines), proc.stderr
+    progress = [line for line in lines if "retrying for another" in line]
+    assert progress and all(line.startswith("checkpointd: cannot reach s3://bucket/x: ") for line in progress)
+    errors = [line for line in lines if line.startswith("checkpointd: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0]
+    assert errors[0].startswith("checkpointd: error: cannot reach s3://bucket/x after ")
+    assert "s of retries" in errors[0] and "Could not connect" in errors[0] and "Check the endpoint" in errors[0]
+    assert took < 30, f"took {took:.1f} s with --retry-timeout 3"  # not the default two minutes
+
+
+def test_a_reachable_s3_root(s3_root: str, s3_storage_options: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """The same commands on a live S3 server: no retry lines, exit codes as on local disk."""
+    with CheckpointManager(s3_root, _state(), storage_options=s3_storage_options, keep_last=None) as mgr:
+        mgr.save(10)
+    opts = [arg for k, v in s3_storage_options.items() for arg in ("-o", f"{k}={json.dumps(v)}")]
+    code, out, err = run(capsys, "ls", *opts, "--retry-timeout", "5", s3_root)
+    assert code == 0 and err == "" and "1 committed" in out
+    code, out, err = run(capsys, "verify", *opts, s3_root)
+    assert code == 0 and err == "" and "OK    step 10" in out
+    code, _, err = run(capsys, "ls", *opts, s3_root.rstrip("/") + "-nothing-here")
+    assert code == 2 and "no such file or directory" in _one_error_line(err)
+
+
+@pytest.mark.parametrize("argv", [("inspect",), ("verify",), ("export", "OUT"), ("gc",)], ids=lambda a: a[0])
+def test_every_storage_command_takes_retry_timeout(argv: tuple[str, ...], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a if a != "OUT" else str(tmp_path / "out") for a in argv]
+    command, rest = args[0], args[1:]
+    started = time.monotonic()
+    code, out, err = run(capsys, *_unreachable(command, retry_timeout="2"), *rest)
+    assert code == EXIT_UNREACHABLE and out == "" and "Traceback" not in err
+    assert "retrying for another" in err
+    assert err.splitlines()[-1].startswith("checkpointd: error: cannot reach s3://bucket/x after ")
+    assert time.monotonic() - started < 20
+    assert "--retry-timeout SECS" in run(capsys, command, "--help")[1]
+
+
+def _event(attempt: int, elapsed: float, giving_up: bool = False, error: BaseException | None = None) -> RetryEvent:
+    return RetryEvent(describe="list s3://b/r", attempt=attempt, error=error or ConnectionRefusedError("refused"),
+                      elapsed_secs=elapsed, delay_secs=0.0 if giving_up else 0.5, budget_secs=120.0,
+                      giving_up=giving_up)
+
+
+def test_retry_reporter_throttles_and_remembers_who_gave_up() -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    reporter = RetryReporter(stream=stream, interval_secs=5.0, clock=lambda: now[0])
+    hook = reporter.hook("s3://b/r")
+    for attempt, t in enumerate([0.0, 1.0, 4.9, 5.0, 7.0, 10.5], start=1):
+        now[0] = t
+        hook(_event(attempt, elapsed=t + 8))
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        "checkpointd: cannot reach s3://b/r: ConnectionRefusedError: refused; retrying for another 112 s (attempt 2)",
+        "checkpointd: cannot reach s3://b/r: ConnectionRefusedError: refused; retrying for another 107 s (attempt 5)",
+        "checkpointd: cannot reach s3://b/r: ConnectionRefusedError: refused; retrying for another 102 s (attempt 7)",
+    ]
+    error = TimeoutError("read timed out")
+    assert reporter.gave_up_on(error) is None
+    hook(_event(9, elapsed=118.0, giving_up=True, error=error))
+    assert stream.getvalue().splitlines() == lines  # giving up prints nothing: the caller ends the command
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = error
+    assert reporter.gave_up_on(wrapped) == ("s3://b/r", _event(9, elapsed=118.0, giving_up=True, error=error))
+    assert reporter.gave_up_on(TimeoutError("another")) is None

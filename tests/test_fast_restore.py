@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager, fastload, restore
+from checkpointd import restore as restore_mod
 from checkpointd.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
@@ -119,57 +121,25 @@ def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch, mapped) -> N
     data = os.urandom(1_234_567)
     p = tmp_path / "blob"
     p.write_bytes(data)
-    seen: list[bytes] = []
-    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob",
-                                                      meanwhile=lambda b: seen.append(bytes(b.numpy())))
+    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob")
     assert size == len(data) and bytes(buf.numpy()) == data
     assert checksum == f"crc32:{zlib.crc32(data):08x}"
-    assert seen == [data]  # called once, with every byte already there
 
 
-@pytest.mark.parametrize("device_crc", [True, False])
-def test_meanwhile_runs_beside_an_upload_that_holds_no_gil(tmp_path, monkeypatch, device_crc) -> None:
-    """With ``meanwhile_beside_device`` the parse runs on its own thread while the device verifies (the upload
-    waits here until it has started: run one after the other, this would time out), or beside the host
-    checksum when the device declines; once either way, the checksum the same."""
-    import threading
-
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    data = os.urandom(777_777)
-    p = tmp_path / "blob"
-    p.write_bytes(data)
-    started = threading.Event()
-    seen: list[str] = []
-
-    def meanwhile(buf: torch.Tensor) -> None:
-        seen.append(threading.current_thread().name)
-        started.set()
-        assert bytes(buf.numpy()) == data
-
-    def device_verify(buf: torch.Tensor) -> int | None:
-        assert started.wait(20), "meanwhile did not run beside the device's verification"
-        return zlib.crc32(bytes(buf.numpy())) if device_crc else None
-
-    buf, size, checksum = fastload.read_file_verified(str(p), len(data), "blob", meanwhile=meanwhile,
-                                                      device_verify=device_verify, meanwhile_beside_device=True)
-    assert checksum == f"crc32:{zlib.crc32(data):08x}" and bytes(buf.numpy()) == data
-    assert seen == ["checkpointd-parse"]
-
-
-def test_meanwhile_follows_an_upload_that_holds_the_gil(tmp_path, monkeypatch) -> None:
+def test_device_verify_replaces_the_host_checksum(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(fastload.MMAP_ENV, "1")
     data = os.urandom(100_000)
     p = tmp_path / "blob"
     p.write_bytes(data)
-    order: list[str] = []
-    fastload.read_file_verified(str(p), len(data), "blob", meanwhile=lambda b: order.append("parse"),
-                                device_verify=lambda b: order.append("upload") or zlib.crc32(data))
-    assert order == ["upload", "parse"]
+    seen: list[bytes] = []
+    _, _, checksum = fastload.read_file_verified(str(p), len(data), "blob",
+                                                 device_verify=lambda b: seen.append(bytes(b.numpy())) or 0x1234)
+    assert seen == [data] and checksum == "crc32:00001234"
 
 
 @pytest.mark.parametrize("mapped", ["0", "1"])
-def test_uncompressed_files_are_parsed_once(tmp_path, monkeypatch, mapped) -> None:
-    """Parsed during the checksum when mapped, after the read otherwise: once per file either way."""
+def test_files_are_parsed_once_and_only_after_they_verify(tmp_path, monkeypatch, mapped) -> None:
+    """Each file is parsed once, after its checksum matched the manifest, mapped or read."""
     monkeypatch.setenv(fastload.MMAP_ENV, mapped)
     model, opt = _train_state()
     ref = _snapshot(model, opt)
@@ -177,8 +147,18 @@ def test_uncompressed_files_are_parsed_once(tmp_path, monkeypatch, mapped) -> No
         mgr.save(1)
         mgr.wait()
         calls = []
+        checked: list[str] = []
         real = fastload.load_native_in_place
-        monkeypatch.setattr(fastload, "load_native_in_place", lambda buf, fmt: calls.append(fmt) or real(buf, fmt))
+        real_check = restore_mod.check_file
+
+        def parse(buf, fmt):
+            assert len(checked) == len(calls) + 1, "a file was parsed before its checksum was compared"
+            calls.append(fmt)
+            return real(buf, fmt)
+
+        monkeypatch.setattr(fastload, "load_native_in_place", parse)
+        monkeypatch.setattr(restore_mod, "check_file", lambda *a: checked.append(a[0]) or real_check(*a))
+        monkeypatch.setattr(restore_mod, "read_step", functools.partial(restore_mod.read_step, threads=1))
         _scramble(model, opt)
         assert mgr.restore_latest() == 1
     assert _same(model, opt, ref)
@@ -250,52 +230,49 @@ def _pt_bytes(obj) -> torch.Tensor:
     return torch.frombuffer(bytearray(bio.getvalue()), dtype=torch.uint8)
 
 
-def _count_core_refusals(monkeypatch) -> list[str]:
-    refused: list[str] = []
-    inner = fastload._NotCoreGlobal.__init__
-
-    def init(self, *a):
-        refused.extend(a)
-        inner(self, *a)
-    monkeypatch.setattr(fastload._NotCoreGlobal, "__init__", init)
-    return refused
-
-
-def test_core_globals_are_a_subset_of_torchs_weights_only_allow_list():
-    from torch._weights_only_unpickler import _get_allowed_globals
-
-    allowed = _get_allowed_globals()
-    module = fastload._core_globals_module()
-    assert module is not None
-    unpickler = module.Unpickler(io.BytesIO(b""))
-    for mod, name in fastload._CORE_GLOBAL_NAMES:
-        assert unpickler.find_class(mod, name) is allowed[f"{mod}.{name}"]
-    assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
-    with pytest.raises(pickle.UnpicklingError):
-        unpickler.find_class("os", "system")
-    with pytest.raises(pickle.UnpicklingError):
-        unpickler.find_class("builtins", "set")  # allowed by torch, but not a core global: torch decides
-
-
-def test_state_dicts_load_through_the_core_unpickler(monkeypatch):
-    refused = _count_core_refusals(monkeypatch)
+def test_state_dicts_load_in_place_like_torch_load(monkeypatch):
     model, opt = _train_state()
     sd = {"model": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "epoch": 4,
           "extra": {"dtype_free": [1, 2.5, "x", None, True], "bf16": torch.ones(3, dtype=torch.bfloat16),
-                    "param": torch.nn.Parameter(torch.ones(2)), "size": torch.Size([2, 3])}}
+                    "param": torch.nn.Parameter(torch.ones(2)), "size": torch.Size([2, 3]),
+                    "s": {1, 2, 3}, "c": complex(1, 2)}}
     got = fastload.load_pt_in_place(_pt_bytes(sd))
-    assert refused == []
     want = torch.load(io.BytesIO(_pt_bytes(sd).numpy().tobytes()), weights_only=True)
     from tree_compare import assert_tree_equal
 
     assert_tree_equal(got, want)
 
 
-def test_other_allowed_globals_fall_back_to_torchs_unpickler(monkeypatch):
-    refused = _count_core_refusals(monkeypatch)
-    obj = {"s": {1, 2, 3}, "c": complex(1, 2), "t": torch.arange(5)}
-    got = fastload.load_pt_in_place(_pt_bytes(obj))
-    assert refused and got["s"] == {1, 2, 3} and got["c"] == complex(1, 2) and torch.equal(got["t"], torch.arange(5))
+def _build_attack_pickle() -> bytes:
+    """A .pt whose pickle uses only allowed globals, then BUILD to overwrite the defaults of one of them."""
+    import zipfile
+
+    bio = io.BytesIO()
+    torch.save({"x": torch.ones(2)}, bio)
+    src = zipfile.ZipFile(io.BytesIO(bio.getvalue()))
+    pkl_name = next(n for n in src.namelist() if n.endswith("data.pkl"))
+    payload = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n"  # PROTO 2, GLOBAL (allowed)
+               b"N}X\x0b\x00\x00\x00__defaults__(K\x00tsb"   # BUILD with (None, {"__defaults__": (0,)})
+               b"0}X\x01\x00\x00\x00xK\x01s.")               # POP, {"x": 1}, STOP
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, payload if info.filename == pkl_name else src.read(info))
+    return out.getvalue()
+
+
+def test_a_pickle_that_torch_refuses_is_refused_and_changes_nothing():
+    """torch.load(weights_only=True) refuses a BUILD on a function; so does the in-place loader, and the
+    function keeps its defaults."""
+    import torch._utils as tu
+
+    data = _build_attack_pickle()
+    before = (tu._rebuild_tensor_v2.__defaults__, tu._rebuild_tensor_v2.__kwdefaults__)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(io.BytesIO(data), weights_only=True)
+    with pytest.raises(pickle.UnpicklingError):
+        fastload.load_pt_in_place(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    assert (tu._rebuild_tensor_v2.__defaults__, tu._rebuild_tensor_v2.__kwdefaults__) == before
 
 
 def test_code_in_a_pickle_never_runs_through_either_unpickler(tmp_path, monkeypatch):

@@ -81,7 +81,7 @@ TAMPERS: dict[str, tuple[Callable[[Path], None], int, str]] = {
         "does not match the checksum in COMMITTED"),
     "manifest missing": (lambda d: (d / "manifest.json").unlink(), 1, "has no manifest.json"),
     "marker missing": (lambda d: (d / "COMMITTED").unlink(), 1, "no COMMITTED marker"),
-    "marker garbage": (lambda d: (d / "COMMITTED").write_bytes(b"\x00garbage{"), 1, "malformed"),
+    "marker garbage": (lambda d: (d / "COMMITTED").write_bytes(b"\x00garbage{"), 1, "not a valid commit marker"),
     "manifest garbage, recommitted": (lambda d: _garbage_manifest(d), 1, "not valid JSON"),
     "format_version from the future": (lambda d: rewrite_manifest(d, _future), 1, "upgrade checkpointd"),
 }
@@ -116,9 +116,9 @@ def test_tampered_set(root: Path, name: str, capsys: pytest.CaptureFixture[str])
     if code:
         assert "FAIL" in out and "step 20" in out
 
-    # the whole root: the damaged newest step fails and is named; a step that lost its marker is
-    # no longer a checkpoint, so only the intact one is checked
-    root_code = 0 if name in ("extra file", "marker missing") else 1
+    # the whole root: the damaged newest step fails and is named; a step that lost its marker (or whose
+    # marker is not a valid one) is no longer a checkpoint, so only the intact one is checked
+    root_code = 0 if name in ("extra file", "marker missing", "marker garbage") else 1
     assert main(["verify", str(root)]) == root_code
     out = capsys.readouterr().out
     assert "OK    step 10" in out

@@ -160,8 +160,10 @@ def test_manifest_not_matching_marker_falls_back_with_warning(tmp_path):
     manifest.write_text(json.dumps(doc))
     with pytest.warns(RuntimeWarning, match="step 2"):
         restored, steps, model, extra = _restore_into_fresh(tmp_path)
-    assert steps == [1, 2] and restored == 1
+    assert steps == [1] and restored == 1  # a marker that does not match its manifest does not commit
     assert extra == {"step": 1} and torch.equal(model.weight, torch.ones(3, 3))
+    (aside,) = (tmp_path / ".checkpointd-damaged").iterdir()  # moved aside once step 1 restored
+    assert aside.name.startswith("step-000000002-") and not (tmp_path / "step-000000002").exists()
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -180,16 +182,19 @@ def test_flipped_byte_in_newest_falls_back_with_warning(tmp_path, compression, w
     assert extra == {"step": 1} and torch.equal(model.weight, torch.ones(3, 3))
 
 
-def test_truncated_or_missing_file_falls_back(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_truncated_or_missing_file_falls_back(tmp_path, damage):
     _two_steps(tmp_path)
     step2 = tmp_path / "step-000000002"
     (data_file,) = [p for p in step2.iterdir() if p.name.startswith("checkpoint")]
-    data_file.write_bytes(data_file.read_bytes()[:-10])
+    if damage == "truncated":
+        data_file.write_bytes(data_file.read_bytes()[:-10])
+    else:
+        data_file.unlink()
     with pytest.warns(RuntimeWarning):
-        assert _restore_into_fresh(tmp_path)[0] == 1
-    data_file.unlink()
-    with pytest.warns(RuntimeWarning):
-        assert _restore_into_fresh(tmp_path)[0] == 1
+        restored, steps, _, _ = _restore_into_fresh(tmp_path)
+    assert restored == 1 and steps == [1, 2]
+    assert _restore_into_fresh(tmp_path)[1] == [1]  # the damaged step was taken out once step 1 restored
 
 
 def test_all_committed_steps_damaged_raises_and_touches_nothing(tmp_path):
@@ -208,11 +213,16 @@ def test_all_committed_steps_damaged_raises_and_touches_nothing(tmp_path):
             with pytest.raises(CheckpointError, match="none verifies") as info:
                 mgr.restore_latest()
         assert isinstance(info.value, CorruptCheckpointError)
+        assert mgr.steps() == [1, 2]  # none verified: both stay, so every restart raises again
     assert extra == {"step": -1}
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+    assert not (tmp_path / ".checkpointd-damaged").exists()
     with pytest.raises(CorruptCheckpointError):
         load(tmp_path)
+    with CheckpointManager(tmp_path, {"model": model, "extra": extra}) as mgr:
+        with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="none verifies"):
+            mgr.restore_latest()
 
 
 def test_empty_root_restores_none(tmp_path):

@@ -241,6 +241,51 @@ def test_scattered_pieces_land_and_their_errors_come_back(tmp_path: Path) -> Non
     assert process.alive
 
 
+@pytest.mark.parametrize("mode", ["pwrite", "mmap"])
+def test_a_file_with_another_hard_link_is_never_written(tmp_path: Path, mode: str) -> None:
+    """The process writes only regular files with one link: a hard link to someone else's file (planted
+    where a checkpoint file should be) is refused with EPERM, by every kind of request, and not changed."""
+    process = persist_process.client()
+    assert process is not None
+    theirs = tmp_path / "theirs.bin"
+    theirs.write_bytes(b"precious" * 512)
+    os.link(theirs, tmp_path / "planted.bin")
+    slab = sharedmem.SharedSlab(4096)
+    try:
+        fd = os.open(tmp_path / "planted.bin", os.O_RDWR)
+        try:
+            requests = [
+                lambda: process.submit_write(fd, 4096, mode, 1, [[(0, slab.id, 0, 4096)]], [slab]).result(timeout=30),
+                lambda: process.submit_scatter(fd, [(0, b"x")]).result(timeout=30),
+                lambda: process.attach(fd, 4096, mode, 1),
+                lambda: process.keep_blank(fd, 4096),
+            ]
+            for request in requests:
+                with pytest.raises(OSError) as info:
+                    request()
+                assert info.value.errno == errno.EPERM and "hard links" in str(info.value)
+        finally:
+            os.close(fd)
+    finally:
+        slab.release()
+    assert theirs.read_bytes() == b"precious" * 512 and theirs.stat().st_nlink == 2
+    assert process.alive
+
+
+def test_a_fifo_is_never_written(tmp_path: Path) -> None:
+    process = persist_process.client()
+    assert process is not None
+    os.mkfifo(tmp_path / "fifo")
+    fd = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        with pytest.raises(OSError) as info:
+            process.submit_scatter(fd, [(0, b"x")]).result(timeout=30)
+        assert info.value.errno == errno.EPERM and "not a regular file" in str(info.value)
+    finally:
+        os.close(fd)
+    assert process.alive
+
+
 def test_the_process_writes_what_the_slab_holds(tmp_path: Path) -> None:
     process = persist_process.client()
     assert process is not None
@@ -625,7 +670,7 @@ def test_a_process_that_cannot_run_is_not_restarted(tmp_path: Path, monkeypatch:
         assert persist_process.client() is not None  # the real one starts again for later tests
 
 
-def test_thread_count_comes_from_the_environment_or_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_count_comes_from_the_environment_or_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.delenv(persist_process.PERSIST_THREADS_ENV, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert persist_process._threads(32) == 16  # the host's I/O threads shared by its ranks
@@ -636,10 +681,11 @@ def test_thread_count_comes_from_the_environment_or_the_hosts_ranks(monkeypatch:
     try:
         process = persist_process.client()
         assert process is not None and process.threads == 2
-        fd = os.open(os.devnull, os.O_WRONLY)
+        fd = os.open(tmp_path / "served", os.O_WRONLY | os.O_CREAT)
         try:
             assert process.submit_scatter(fd, [(0, b"x")]).result(timeout=30) is None  # it serves requests
         finally:
             os.close(fd)
+        assert (tmp_path / "served").read_bytes() == b"x"
     finally:
         persist_process.shutdown()  # the next test starts one with the default count

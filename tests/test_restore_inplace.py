@@ -181,15 +181,19 @@ def test_tampered_newest_step_falls_back_and_is_never_applied(tmp_path) -> None:
         data = bytearray(victim.read_bytes())
         data[len(data) * 2 // 3] ^= 0x10
         victim.write_bytes(bytes(data))
+    import shutil
+
+    tampered = tmp_path.parent / f"{tmp_path.name}-tampered"
+    shutil.copytree(step_dir, tampered)
     _scramble(model, opt)
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
         with pytest.warns(RuntimeWarning, match="skipping step 2"):
             assert mgr.restore_latest() == 1
     _assert_same(ref[0], ref[1], model, opt)
+    assert not step_dir.exists()  # taken out of the checkpoints once step 1 restored
     # only the tampered step left: refused, nothing applied
-    import shutil
-
     shutil.rmtree(tmp_path / "step-000000001")
+    shutil.copytree(tampered, step_dir)
     _scramble(model, opt)
     scrambled = copy.deepcopy((model, opt))
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:

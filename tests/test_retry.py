@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from checkpointd.retry import NO_RETRY, RetryPolicy, is_transient
+from checkpointd.retry import NO_RETRY, RetryEvent, RetryPolicy, is_transient
 
 
 class FakeClock:
@@ -282,3 +282,70 @@ def test_policy_is_frozen_and_keyword_only() -> None:
         policy.max_elapsed_secs = 1.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         RetryPolicy(1.0)  # type: ignore[misc]
+
+
+# -- on_retry: who waits is told ---------------------------------------------------------------------
+def test_on_retry_reports_each_transient_failure_then_giving_up() -> None:
+    clock = FakeClock()
+    events: list[RetryEvent] = []
+    errors = [TimeoutError(f"attempt {i}") for i in range(10)]
+    policy = make_policy(clock, max_elapsed_secs=0.36, on_retry=events.append)
+    with pytest.raises(TimeoutError) as info:
+        policy.call(Flaky(*errors), describe="list s3://b/r")
+    assert info.value is errors[3]
+    assert [(e.attempt, e.giving_up) for e in events] == [(1, False), (2, False), (3, False), (4, True)]
+    assert [e.error for e in events] == errors[:4]
+    assert [e.delay_secs for e in events] == pytest.approx([0.05, 0.1, 0.2, 0.0])
+    assert [e.elapsed_secs for e in events] == pytest.approx([0.0, 0.05, 0.15, 0.35])
+    assert [e.remaining_secs for e in events] == pytest.approx([0.36, 0.31, 0.21, 0.0])
+    assert {(e.describe, e.budget_secs) for e in events} == {("list s3://b/r", 0.36)}
+
+
+def test_on_retry_is_quiet_on_success_and_permanent_errors() -> None:
+    events: list[RetryEvent] = []
+    policy = make_policy(FakeClock(), on_retry=events.append)
+    assert policy.call(Flaky(), describe="op") == "ok"
+    with pytest.raises(PermissionError):
+        policy.call(Flaky(PermissionError("denied")), describe="op")
+    assert events == []
+    assert policy.call(Flaky(ConnectionResetError("blip")), describe="op") == "ok"
+    assert [(e.attempt, e.giving_up) for e in events] == [(1, False)]
+
+
+def test_on_retry_giving_up_on_the_first_attempt_is_reported() -> None:
+    events: list[RetryEvent] = []
+    with pytest.raises(ConnectionResetError):
+        make_policy(FakeClock(), max_attempts=1, on_retry=events.append).call(Flaky(ConnectionResetError()), describe="op")
+    assert [(e.attempt, e.giving_up, e.delay_secs) for e in events] == [(1, True, 0.0)]
+
+
+def test_a_failing_on_retry_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(event: RetryEvent) -> None:
+        raise RuntimeError("reporter bug")
+
+    fn = Flaky(ConnectionResetError(), ConnectionResetError())
+    with caplog.at_level(logging.ERROR, logger="checkpointd"):
+        assert make_policy(FakeClock(), on_retry=broken).call(fn, describe="read s3://b/k") == "ok"
+    assert fn.calls == 3
+    assert any("on_retry callback failed on read s3://b/k" in r.getMessage() for r in caplog.records)
+
+
+def test_on_retry_async_and_log_records_carry_the_event(caplog: pytest.LogCaptureFixture) -> None:
+    events: list[RetryEvent] = []
+    attempts = []
+
+    async def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise ConnectionResetError()
+        return "ok"
+
+    policy = RetryPolicy(initial_backoff_secs=0.001, max_backoff_secs=0.002, on_retry=events.append)
+    with caplog.at_level(logging.INFO, logger="checkpointd"):
+        assert asyncio.run(policy.call_async(flaky, describe="op")) == "ok"
+    assert [e.attempt for e in events] == [1, 2]
+    assert [r.retry_event for r in caplog.records if hasattr(r, "retry_event")] == events
+
+
+def test_on_retry_does_not_change_equality() -> None:
+    assert RetryPolicy(on_retry=print) == RetryPolicy()

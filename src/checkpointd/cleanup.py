@@ -6,6 +6,11 @@ whose *newest* file is older than a grace period (default one hour, SPEC §2), j
 modification times, and re-checks the marker just before removing, so it is safe beside a running
 writer whose files are younger than the grace period. Committed directories are never touched, even
 damaged ones: that is for a person to decide after ``checkpointd verify``.
+
+Nothing removed lies outside the root, whatever links the root holds: a step-shaped entry that is a
+symbolic link is an uncommitted leftover of its own, aged by the link's own time and removed as a link
+(never its target, never descended into); links inside a leftover are removed as links
+(:meth:`checkpointd.storage.Store.remove_tree`).
 """
 
 from __future__ import annotations
@@ -65,8 +70,11 @@ def parse_duration(text: str) -> float:
 
 
 def scan_dir(store: Store, rel: str) -> DirScan:
-    """File count, stored bytes and newest modification time of everything under ``rel``."""
+    """File count, stored bytes and newest modification time of everything under ``rel`` (a link: none,
+    and the link's own time; nothing behind it is looked at)."""
     full = store.path(rel)
+    if store.is_link(rel):
+        return DirScan(files=0, nbytes=0, newest_mtime=store._lstat(rel).st_mtime)
     if not store.is_local:
         store.fs.invalidate_cache(full)
     found = store.fs.find(full, detail=True)

@@ -6,41 +6,64 @@ same checks restore runs), ``export`` over :mod:`checkpointd.export`, ``gc`` ove
 through :mod:`checkpointd.partial`. Human output goes to stdout, messages and the progress bar to
 stderr (the bar only when stderr is a terminal); ``--json`` prints one JSON document for scripts.
 Exit codes are part of the interface; see ``EXIT_CODES`` and ``checkpointd --help``.
+
+Storage calls are retried on transient errors for ``--retry-timeout`` seconds (the library's two
+minutes by default); :class:`RetryReporter` says so on stderr while it happens, and a failure ends with
+one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
+import logging
+import os
 import sys
+import textwrap
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from . import __version__, commit, layout, recycle
 from .cleanup import DEFAULT_GRACE_SECS, collect_garbage, human_secs, parse_duration, scan_dir
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+from .retry import RetryEvent, RetryPolicy
 from .storage import Store
 
-__all__ = ["EXIT_CODES", "main"]
+__all__ = ["EXIT_CODES", "RetryReporter", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141
 EXIT_CODES = {
-    EXIT_OK: "success (verify: every checked step verifies)",
+    EXIT_OK: "success (ls: at least one committed step; verify: every checked step verifies)",
     EXIT_FAILED: "a checkpoint failed verification or could not be read, exported or removed "
                  "(corrupt, uncommitted, unsafe pickle, newer format, storage error)",
-    EXIT_USAGE: "usage error, or nothing found (no such path, no step directory, no committed step)",
+    EXIT_USAGE: "usage error, or nothing to act on: no such path, a file where a directory is needed, "
+                "no step directory, no committed step (ls, verify)",
+    EXIT_UNREACHABLE: "storage unreachable: connection errors, timeouts or throttling outlasted --retry-timeout",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_PIPE_CLOSED: "the reader of the output went away (e.g. piped into head); nothing is printed",
 }
 
-_EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items()) + """
+DEFAULT_RETRY_TIMEOUT_SECS = RetryPolicy().max_elapsed_secs
+"""``--retry-timeout`` default: the library's own budget (two minutes)."""
+PROGRESS_INTERVAL_SECS = 5.0
+"""At most one retry progress line per this many seconds (the first failure is reported at once)."""
+
+_EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items()) + f"""
 
 paths may be local or any fsspec URL (s3://bucket/run, gs://..., memory://...);
 pass backend options with --storage-option KEY=VALUE (VALUE is JSON when it parses, else a string).
+storage calls that fail with a transient error are retried for --retry-timeout seconds (default {DEFAULT_RETRY_TIMEOUT_SECS:g}),
+with a line on stderr every {PROGRESS_INTERVAL_SECS:g} s at most; on s3:// each attempt is a single request
+(botocore's own retries are off unless -o config_kwargs sets them).
 """
 
 
@@ -59,30 +82,183 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    args.reporter = RetryReporter()
     try:
-        args.storage_options = parse_storage_options(args.storage_option)
-        return int(args.run(args))
+        with _library_warnings_on_stderr(), contextlib.redirect_stdout(_Output(sys.stdout)):
+            args.storage_options = parse_storage_options(args.storage_option)
+            return int(args.run(args))
     except KeyboardInterrupt:
         _err("interrupted")
         return EXIT_INTERRUPTED
-    except (Usage, ConfigError, CheckpointNotFoundError) as exc:
-        _err(str(exc))
+    except Exception as exc:  # noqa: BLE001 - every failure ends with one line; a bug still shows its traceback
+        code = _failure(exc, args.reporter)
+        if code is None:
+            raise
+        return code
+
+
+@contextlib.contextmanager
+def _library_warnings_on_stderr() -> Any:
+    """The library's warnings as ``checkpointd: warning: ...`` lines on stderr, but for its retry records:
+    the :class:`RetryReporter` tells of those."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("checkpointd: warning: %(message)s"))
+    handler.addFilter(lambda record: not hasattr(record, "retry_event"))
+    lib_logger = logging.getLogger("checkpointd")
+    lib_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        lib_logger.removeHandler(handler)
+
+
+def _failure(exc: BaseException, reporter: RetryReporter) -> int | None:
+    """Print the one error line for ``exc`` and return the exit code; None for an unexpected error."""
+    if isinstance(exc, _OutputClosed):
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
+    gave_up = reporter.gave_up_on(exc)
+    if gave_up is not None:
+        url, event = gave_up
+        tried = f"{event.attempt} attempts" if event.attempt > 1 else "1 attempt"
+        _err(f"error: cannot reach {url} after {event.elapsed_secs:.1f} s of retries ({tried}): "
+             f"{_one_line(event.error)}. Check the endpoint and credentials (or raise --retry-timeout).")
+        return EXIT_UNREACHABLE
+    if isinstance(exc, (Usage, ConfigError, CheckpointNotFoundError)):
+        _err(f"error: {_one_line(exc, with_type=False, limit=None)}")
         return EXIT_USAGE
-    except CheckpointError as exc:
-        _err(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, CheckpointError):
+        _err(f"error: {_one_line(exc, limit=None)}")
         return EXIT_FAILED
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        _err(str(exc))
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        _err(f"error: {_one_line(exc, with_type=False)}")
         return EXIT_USAGE
-    except (OSError, ImportError, ValueError) as exc:  # storage down, backend not installed, bad URL
-        _err(f"{type(exc).__name__}: {exc}")
+    backend = _raised_by_backend(exc)
+    if isinstance(exc, TypeError) and backend:  # an option the backend does not take
+        _err(f"error: {_one_line(exc)}; check the --storage-option values")
+        return EXIT_USAGE
+    if isinstance(exc, (OSError, ImportError, ValueError)) or backend:
+        _err(f"error: {_one_line(exc)}")  # storage down, backend not installed, bad URL, no credentials
         return EXIT_FAILED
+    return None
+
+
+class _OutputClosed(Exception):
+    """stdout's reader went away (``checkpointd ls | head -1``); a storage BrokenPipeError is not this."""
+
+
+class _Output:
+    """stdout, telling a closed reader (:class:`_OutputClosed`) from a storage connection's broken pipe."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError as exc:
+            raise _OutputClosed() from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError as exc:
+            raise _OutputClosed() from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point stdout, whose reader went away, at /dev/null: the interpreter's final flush stays quiet."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _innermost_module(exc: BaseException) -> str:
+    """The module whose code raised ``exc`` (the innermost Python frame of its traceback)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")) if tb is not None else ""
+
+
+_BACKEND_MODULES = frozenset({"botocore", "aiobotocore", "boto3", "aiohttp", "s3fs", "gcsfs", "google", "adlfs",
+                              "azure", "fsspec", "urllib3", "requests"})
+
+
+def _raised_by_backend(exc: BaseException) -> bool:
+    """Whether a storage backend library raised ``exc`` (no credentials, access denied, an option it does
+    not take), rather than checkpointd itself (a bug, whose traceback is wanted)."""
+    return any(module.split(".", 1)[0] in _BACKEND_MODULES for module in (type(exc).__module__, _innermost_module(exc)))
+
+
+def _one_line(exc: BaseException, with_type: bool = True, limit: int | None = 300) -> str:
+    """``exc`` as one line (``limit``: at most that many characters of its message)."""
+    text = " ".join(str(exc).split()) or repr(exc)
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if with_type else text
+
+
+class RetryReporter:
+    """Shows storage retries on stderr while they happen, and remembers each call that gave up.
+
+    Installed by the command line on every :class:`Store` it opens (``RetryPolicy.on_retry``); the
+    library itself never prints. The first transient failure is reported at once, later ones at most
+    every ``interval_secs``. Thread-safe.
+    """
+
+    def __init__(self, stream: TextIO | None = None, interval_secs: float = PROGRESS_INTERVAL_SECS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.interval_secs = interval_secs
+        self.clock = clock
+        self._last_line: float | None = None
+        self._gave_up: list[tuple[str, RetryEvent]] = []
+        self._lock = threading.Lock()
+
+    def hook(self, url: str) -> Callable[[RetryEvent], None]:
+        """The ``on_retry`` callback for the store at ``url`` (the name its messages use)."""
+        return lambda event: self.report(url, event)
+
+    def report(self, url: str, event: RetryEvent) -> None:
+        with self._lock:
+            if event.giving_up:
+                self._gave_up.append((url, event))
+                return
+            now = self.clock()
+            if self._last_line is not None and now - self._last_line < self.interval_secs:
+                return
+            self._last_line = now
+        print(f"checkpointd: cannot reach {url}: {_one_line(event.error)}; retrying for another "
+              f"{event.remaining_secs:.0f} s (attempt {event.attempt + 1})", file=self.stream or sys.stderr, flush=True)
+
+    def gave_up_on(self, exc: BaseException) -> tuple[str, RetryEvent] | None:
+        """``(url, event)`` of the retried call whose error ``exc`` is (or was raised from), if any."""
+        chain: list[BaseException] = []
+        cause: BaseException | None = exc
+        while cause is not None and len(chain) < 20 and all(cause is not seen for seen in chain):
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        with self._lock:
+            for url, event in reversed(self._gave_up):
+                if any(event.error is e for e in chain):
+                    return url, event
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable); VALUE is decoded as JSON when possible")
+    common.add_argument("--retry-timeout", type=_seconds, default=DEFAULT_RETRY_TIMEOUT_SECS, metavar="SECS",
+                        help="retry storage calls that fail with transient errors (connection refused, timeouts, "
+                             f"throttling) for this many seconds, then exit {EXIT_UNREACHABLE} "
+                             f"(default {DEFAULT_RETRY_TIMEOUT_SECS:g})")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
@@ -94,20 +270,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = _subcommand(sub, "ls", parents=[common, as_json], help="list the step directories of a root",
-                       description="List step directories: committed, uncommitted (leftover or in flight), damaged.")
+                       description="List step directories: committed, uncommitted (leftover or in flight), damaged. "
+                                   f"Exit {EXIT_OK} when at least one step is committed; {EXIT_USAGE} when none is "
+                                   "(the listing is still printed), when ROOT holds no step directory, is a file "
+                                   "or does not exist.")
     p.add_argument("root", metavar="ROOT")
     p.set_defaults(run=cmd_ls)
 
     p = _subcommand(sub, "inspect", parents=[common, as_json], help="show one step's manifest and tensors",
                        description="Show a step's files, entries, tensors (shape/dtype, read from the pickles "
-                                   "only), metrics and versions. Also accepts a single .pt/.mdlus[.zst] file.")
+                                   "only), metrics and versions. Also accepts a single .pt/.mdlus[.zst] file. "
+                                   f"An uncommitted step is shown with a warning (exit {EXIT_OK}); exit {EXIT_USAGE} "
+                                   "when STEP_DIR is not a step directory or file.")
     p.add_argument("step_dir", metavar="STEP_DIR")
     p.add_argument("--no-tensors", action="store_true", help="do not read the files' pickles")
     p.set_defaults(run=cmd_inspect)
 
     p = _subcommand(sub, "verify", parents=[common, as_json], help="verify every committed step, or one step",
                        description="Check each committed step (or the one STEP_DIR): commit marker against the "
-                                   "manifest checksum, each file's size and CRC-32. Exit 0 only if all verify.")
+                                   "manifest checksum, each file's size and CRC-32. A step whose marker no longer "
+                                   "matches its manifest is checked, and fails. "
+                                   f"Exit {EXIT_OK} only if all verify; {EXIT_FAILED} naming each that fails; "
+                                   f"{EXIT_USAGE} when there is no committed step.")
     p.add_argument("path", metavar="ROOT|STEP_DIR")
     p.add_argument("--deep", action="store_true",
                    help="also decode every file and parse its pickles safely (codec and record checksums, unsafe pickles)")
@@ -115,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "export", parents=[common], help="write a step as native uncompressed files",
                        description="Decode every file of a committed step into OUT_DIR under its native name "
-                                   "(.zst dropped), verifying checksums: a plain PhysicsNeMo-style directory.")
+                                   "(.zst dropped), verifying checksums: a plain PhysicsNeMo-style directory. "
+                                   f"Exit {EXIT_FAILED} when the step is uncommitted or damaged (nothing is left "
+                                   f"half-exported), {EXIT_USAGE} when STEP_DIR is not a step directory or a file "
+                                   "in OUT_DIR is in the way (see --overwrite).")
     p.add_argument("step_dir", metavar="STEP_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--overwrite", action="store_true", help="replace files that already exist in OUT_DIR")
@@ -123,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "gc", parents=[common, as_json], help="remove uncommitted leftovers",
                        description="Remove uncommitted step directories whose newest file is older than the grace "
-                                   "period. Committed steps are never touched.")
+                                   "period. Committed steps are never touched. Exit "
+                                   f"{EXIT_OK} also when there is nothing to remove, {EXIT_FAILED} when a removal "
+                                   f"failed, {EXIT_USAGE} when ROOT is a file or does not exist.")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--older-than", default=str(int(DEFAULT_GRACE_SECS)), metavar="AGE",
                    help="grace period: seconds, or 30m, 1h, 2d (default 1h)")
@@ -134,7 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommand(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A subcommand whose help ends with the exit codes, like the top-level help."""
+    if "description" in kwargs:
+        kwargs["description"] = textwrap.fill(kwargs["description"], 100)
     return sub.add_parser(name, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
@@ -153,14 +354,28 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
 
 # -- ls -----------------------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = _open_existing(args.root, args.storage_options)
-    rows = [_ls_row(store, step, name) for step, name in sorted(commit.list_step_dirs(store).items())]
+    store = _open_existing(args.root, args)
+    if store.is_file(""):
+        raise Usage(f"{store.display()} is a file, not a checkpoint root; show a checkpoint file with: "
+                    f"checkpointd inspect {store.display()}")
+    step_dirs = commit.list_step_dirs(store)
+    marked = set(commit.marked_steps(store)) if step_dirs else set()
+    rows = [_ls_row(store, step, name, step in marked) for step, name in sorted(step_dirs.items())]
+    committed = sum(r["committed"] for r in rows)
     if args.json:
         _print_json({"root": store.display(), "steps": rows})
-        return EXIT_OK
+    elif rows:
+        _print_ls_table(store, rows)
     if not rows:
-        print(f"no step directories under {store.display()}")
-        return EXIT_OK
+        raise Usage(f"no step directories under {store.display()}: it is not a checkpoint root")
+    if not committed:
+        _err(f"error: no committed step under {store.display()} ({len(rows)} uncommitted or damaged step "
+             f"director{'y' if len(rows) == 1 else 'ies'})")
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def _print_ls_table(store: Store, rows: list[dict[str, Any]]) -> None:
     table = [["STEP", "STATUS", "TIME", "SIZE", "FILES", "CODEC", "METRICS"]]
     for r in rows:
         table.append([str(r["step"]), r["status"].upper() if r["status"] == "damaged" else r["status"],
@@ -171,48 +386,48 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if r["status"] == "damaged":
             print(f"step {r['step']} is DAMAGED: {r['error']}")
     committed = sum(r["committed"] for r in rows)
-    print(f"{committed} committed, {len(rows) - committed} uncommitted, under {store.display()} "
-          "(markers and manifests only; data is checked by checkpointd verify)")
-    return EXIT_OK
+    damaged = sum(r["status"] == "damaged" for r in rows)
+    print(f"{committed} committed, {damaged} damaged, {len(rows) - committed - damaged} uncommitted, under "
+          f"{store.display()} (markers and manifests only; data is checked by checkpointd verify)")
 
 
-def _ls_row(store: Store, step: int, name: str) -> dict[str, Any]:
-    row: dict[str, Any] = {"step": step, "path": store.display(name), "committed": commit.is_committed(store, name),
-                           "status": "", "time": None, "size_bytes": 0, "files": 0, "codec": None, "metrics": {},
-                           "error": None}
-    if row["committed"]:
+def _ls_row(store: Store, step: int, name: str, marked: bool) -> dict[str, Any]:
+    """One step directory: committed (marker matches manifest), damaged (a valid marker whose manifest
+    does not match or cannot be read) or uncommitted (no valid marker: a leftover or a save in flight)."""
+    row: dict[str, Any] = {"step": step, "path": store.display(name), "committed": False, "status": "uncommitted",
+                           "time": None, "size_bytes": 0, "files": 0, "codec": None, "metrics": {}, "error": None}
+    if marked:
         try:
             m = commit.read_committed_manifest(store, name)
-            row.update(status="committed", time=m.time, size_bytes=sum(f.size for f in m.files),
+            row.update(committed=True, status="committed", time=m.time, size_bytes=sum(f.size for f in m.files),
                        files=len(m.files), codec=m.codec, metrics=m.metrics)
             return row
         except CheckpointError as exc:
             row.update(status="damaged", error=str(exc))
     scan = scan_dir(store, name)
     row.update(time=scan.newest_mtime, size_bytes=scan.nbytes, files=scan.files)
-    if not row["committed"]:
-        row["status"] = "uncommitted"
     return row
 
 
 # -- inspect ------------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
-    store = _open_existing(args.step_dir, args.storage_options)
+    store = _open_existing(args.step_dir, args)
     if store.is_file(""):
         return _inspect_file(store, args)
     if not _is_step_dir(store):
         raise Usage(f"{store.display()} is not a step directory (no {layout.MANIFEST_NAME}); "
                     f"list the steps of a root with: checkpointd ls {store.display()}")
-    committed = commit.is_committed(store, "")
+    committed = True
     try:
         manifest = commit.read_committed_manifest(store, "")
     except IncompleteCheckpointError:
-        if committed or not store.exists(layout.MANIFEST_NAME):
-            raise
+        if _has_valid_marker(store) or not store.exists(layout.MANIFEST_NAME):
+            raise  # damaged: the marker names a manifest that is not there
         from .manifest import Manifest
 
+        committed = False
         manifest = Manifest.from_json(store.read_bytes(layout.MANIFEST_NAME), where=store.display(layout.MANIFEST_NAME))
-        _err(f"warning: {store.display()} is NOT committed (no {layout.COMMIT_MARKER_NAME}); it is not a checkpoint")
+        _err(f"warning: {store.display()} is NOT committed (no valid {layout.COMMIT_MARKER_NAME}); it is not a checkpoint")
     tensors: dict[str, list[dict[str, Any]]] = {}
     if not args.no_tensors:
         from .partial import _open_in_store
@@ -255,9 +470,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_file(store: Store, args: argparse.Namespace) -> int:
-    from .partial import open_file
+    from .partial import _codec_of, _format_of, _open_in_store
 
-    with open_file(store.url, args.storage_options) as cf:
+    name = store.root.rsplit("/", 1)[-1]
+    with _open_in_store(store, "", _codec_of(name), _format_of(name), store.display()) as cf:
         items = [] if args.no_tensors else [_tensor_dict(t) for t in cf.tensors()]
     if args.json:
         _print_json({"path": store.display(), "size_bytes": store.size(""), "tensors": items})
@@ -285,13 +501,13 @@ def _print_tensors(rel: str, items: list[dict[str, Any]]) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import stored_bytes, verify_step
 
-    store = _open_existing(args.path, args.storage_options)
+    store = _open_existing(args.path, args)
     if store.is_file(""):
         raise Usage(f"{store.display()} is a file; verify takes a root or a step directory")
     if _is_step_dir(store):
         targets = [""]
-    else:
-        targets = [layout.step_dir_name(s) for s in commit.committed_steps(store)]
+    else:  # a step whose marker no longer matches its manifest is checked too, and fails
+        targets = [layout.step_dir_name(s) for s in commit.marked_steps(store)]
         if not targets:
             leftovers = len(commit.list_step_dirs(store))
             raise Usage(f"no committed step under {store.display()}"
@@ -334,11 +550,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_step
     from .verify import stored_bytes
 
-    store = _open_existing(args.step_dir, args.storage_options)
+    store = _open_existing(args.step_dir, args)
     if store.is_file("") or not _is_step_dir(store):
         raise Usage(f"{store.display()} is not a step directory (no {layout.MANIFEST_NAME}); "
                     f"find one with: checkpointd ls {store.display()}")
-    out = Store(args.out_dir, args.storage_options)
+    out = _store(args.out_dir, args)
     if out.is_file(""):
         raise Usage(f"OUT_DIR {out.display()} is a file")
     total = stored_bytes(commit.read_committed_manifest(store, ""))
@@ -353,7 +569,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 # -- gc -----------------------------------------------------------------------------------------------
 def cmd_gc(args: argparse.Namespace) -> int:
     grace = parse_duration(args.older_than)
-    store = _open_existing(args.root, args.storage_options)
+    store = _open_existing(args.root, args)
     if store.is_file(""):
         raise Usage(f"{store.display()} is a file; gc takes a checkpoint root")
     results = collect_garbage(store, older_than_secs=grace, dry_run=args.dry_run)
@@ -361,8 +577,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     # retired files kept for a next save (recycle.py): a crashed run leaves them; taking them from a
     # running job only makes its next save write new files
     binned = recycle.contents(store) if store.is_local else (0, 0)
-    if binned[0] and not args.dry_run:
-        recycle.empty(store)
+    if store.is_local and not args.dry_run:
+        recycle.empty(store)  # also a bin that is a link: removed as a link, never followed
     if args.json:
         _print_json({"root": store.display(), "older_than_secs": grace, "dry_run": args.dry_run,
                      "dirs": [r.to_dict() for r in results],
@@ -382,11 +598,45 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def _open_existing(path: str, storage_options: dict[str, Any]) -> Store:
-    store = Store(path, storage_options)
+def _store(path: str, args: argparse.Namespace) -> Store:
+    """A Store whose calls retry for ``--retry-timeout`` seconds, reporting on stderr as they do."""
+    policy = RetryPolicy(max_elapsed_secs=args.retry_timeout, on_retry=args.reporter.hook(path))
+    options = _backend_options(path, args.storage_options)
+    try:
+        return Store(path, options, retry=policy)
+    except (TypeError, ValueError) as exc:  # the backend refuses an option or the URL
+        raise ConfigError(f"cannot open {path} with storage options {sorted(options)}: {_one_line(exc)}") from exc
+
+
+def _backend_options(path: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``path``'s backend. On s3:// one attempt per request (botocore retries a refused
+    connection for seconds on its own, unseen): the Store's policy retries instead, with progress on
+    stderr, for ``--retry-timeout`` seconds. An explicit ``config_kwargs`` "retries" wins."""
+    if path.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = options.get("config_kwargs", {})
+    if not isinstance(config, dict) or "retries" in config:
+        return options
+    return {**options, "config_kwargs": {**config, "retries": {"total_max_attempts": 1}}}
+
+
+def _open_existing(path: str, args: argparse.Namespace) -> Store:
+    store = _store(path, args)
     if not store.is_file("") and not store.list_dir(""):
-        raise Usage(f"nothing at {store.display()}: no such file or directory (or it is empty)")
+        if store.exists(""):
+            raise Usage(f"nothing at {store.display()}: the directory is empty")
+        raise Usage(f"nothing at {store.display()}: no such file or directory")
     return store
+
+
+def _has_valid_marker(store: Store) -> bool:
+    """Whether the step directory ``store`` has a commit marker that is valid on its own (its manifest may
+    still not match it: the step is then damaged, not uncommitted)."""
+    try:
+        commit.read_marker(store, "")
+        return True
+    except IncompleteCheckpointError:
+        return False
 
 
 def _is_step_dir(store: Store) -> bool:
@@ -437,7 +687,7 @@ def _print_json(doc: Any) -> None:
 
 
 def _err(message: str) -> None:
-    print(f"checkpointd: {message}", file=sys.stderr)
+    print(f"checkpointd: {message}", file=sys.stderr, flush=True)
 
 
 def _fmt_bytes(n: int | None) -> str:

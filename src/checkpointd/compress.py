@@ -73,6 +73,7 @@ import zstandard as zstd
 from . import compress_planes as kernels
 from . import layout
 from .errors import ConfigError, CorruptCheckpointError
+from .manifest import CODECS
 from .streams import ReadStream
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -291,6 +292,7 @@ class ZstdPlanesCodec(ZstdCodec):
 
 
 _CODECS: dict[str, Callable[..., Codec]] = {"none": NoCodec, "zstd": ZstdCodec, "zstd-planes": ZstdPlanesCodec}
+assert set(_CODECS) == set(CODECS), "a codec a manifest may name is missing, or one is not in manifest.CODECS"
 
 
 def get_codec(name: str | None, **options: Any) -> Codec:

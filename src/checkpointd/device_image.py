@@ -145,21 +145,6 @@ def verifying_on(device: torch.device | None) -> Iterator[None]:
         restore.images.clear()
 
 
-def upload_holds_no_gil() -> bool:
-    """Whether the restore in progress verifies on a device and its uploads hold no GIL: the native
-    upload on a GPU (:func:`checkpointd.bulkcopy.uploads_off_gil`), or one ``copy_`` to a CPU "device"
-    (tests). The files' parses may then run beside their uploads."""
-    with _lock:
-        restore = _active[-1] if _active else None
-    if restore is None:
-        return False
-    if restore.device.type != "cuda":
-        return True
-    from .bulkcopy import uploads_off_gil
-
-    return uploads_off_gil()
-
-
 def drop_all() -> bool:
     """Forget every registered image (their memory goes back to the allocator); True if there was one."""
     with _lock:
@@ -270,4 +255,4 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
 
 
 __all__ = ["DeviceImage", "VERIFY_ENV", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
-           "target_device", "upload_holds_no_gil", "verify", "verifying_on"]
+           "target_device", "verify", "verifying_on"]

@@ -52,6 +52,19 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
     """A checkpoint file whose pickle references code outside the safe allow-list; nothing was run."""
 
 
+class RootInUseError(CheckpointError):
+    """Another live writer holds the checkpoint root's lease (one writer per root); the message names it.
+
+    Raised by the first save of a manager whose root another process (or manager) is saving into, and
+    by a later save of a manager whose lease another writer took over after it expired.
+    """
+
+
+class LinkedPathError(CheckpointError, OSError):
+    """A path below a local checkpoint root leads through a symbolic link: nothing is deleted, written
+    or read through it (the message names the link and says to remove it)."""
+
+
 class CheckpointWriteError(CheckpointError):
     """A background save failed; raised by the next ``maybe_save``/``wait``/``close``.
 
@@ -66,3 +79,7 @@ class CheckpointWriteError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """``wait(timeout)`` or ``close(timeout)`` ran out before every started save was committed."""
+
+
+NOT_VERIFIED = (CorruptCheckpointError, IncompleteCheckpointError, ManifestError, UnsafeCheckpointError)
+"""What makes a restore skip a step and take it out of the checkpoints: damaged, malformed or unsafe content."""

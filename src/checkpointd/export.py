@@ -71,7 +71,7 @@ def export_step(store: Store, step_dir: str, out: Store, *, overwrite: bool = Fa
                 f.structure()  # refuses unsafe pickles before a byte of this file is written
             target = targets[entry.path]
             written.append(target)
-            native = _write_decoded(data, entry.codec, out, target, where)
+            native = _write_decoded(data, entry.codec, out, target, where, entry.raw_size)
             if entry.raw_size is not None and native != entry.raw_size:
                 raise CorruptCheckpointError(f"{where} decodes to {native} bytes, the manifest says {entry.raw_size}")
             if on_bytes is not None:
@@ -87,8 +87,12 @@ def export_step(store: Store, step_dir: str, out: Store, *, overwrite: bool = Fa
     return results
 
 
-def _write_decoded(data: bytes, codec_name: str, out: Store, target: str, where: str) -> int:
-    """Stream the native bytes of ``data`` into ``out/target``; returns how many were written."""
+def _write_decoded(data: bytes, codec_name: str, out: Store, target: str, where: str, limit: int | None = None) -> int:
+    """Stream the native bytes of ``data`` into ``out/target``; returns how many were written.
+
+    A stream that decodes to more than ``limit`` bytes (the manifest's native size) is refused as soon
+    as it passes it, so a crafted frame cannot fill the disk.
+    """
     if codec_name in ("none", "", None):
         out.write_bytes(target, data)
         return len(data)
@@ -103,6 +107,8 @@ def _write_decoded(data: bytes, codec_name: str, out: Store, target: str, where:
                     break
                 dst.write(block)
                 total += len(block)
+                if limit is not None and total > limit:
+                    raise CorruptCheckpointError(f"{where} decodes to more than the {limit} bytes the manifest says")
     except CheckpointError:
         raise
     except (ValueError, EOFError) as exc:

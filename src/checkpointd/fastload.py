@@ -9,8 +9,9 @@ before ``load_state_dict`` copies them a fourth time into the live tensors. Here
    chunk CRCs are combined (:mod:`checkpointd.crc`) and compared with the manifest *before* anything
    is parsed or applied;
 2. compressed files are decoded chunk-parallel (the codec's seek table) straight into a native buffer;
-3. the ``.pt`` pickle is run by torch's weights-only unpickler with every storage a zero-copy slice of
-   that buffer (torch's own ``mmap=True`` mechanism, fed our verified buffer instead of a mapping);
+3. only then, the ``.pt`` pickle is run by torch's weights-only unpickler with every storage a
+   zero-copy slice of that buffer (torch's own ``mmap=True`` mechanism, fed our verified buffer
+   instead of a mapping);
    ``.mdlus`` files load their ``model.pt`` member the same way, in place.
 
 So a restore is: one read into memory, then the copy into the live tensors. Anything unusual (a
@@ -25,9 +26,8 @@ import functools
 import logging
 import mmap
 import os
-import pickle
+import stat
 import struct
-import threading
 import zipfile
 from typing import Any, Callable, cast
 
@@ -36,6 +36,8 @@ import torch
 from . import pagemem, ptlayout
 from .crc import crc32, crc32_combine
 from .checksum import format_crc
+from .errors import CorruptCheckpointError
+from .localpaths import kind_of
 from .streams import SeekableReader, byte_view
 
 logger = logging.getLogger("checkpointd")
@@ -160,42 +162,48 @@ def _map_file(fd: int, size: int) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
 
 
-def _start_beside(fn: Callable[[torch.Tensor], None], buf: torch.Tensor) -> threading.Thread:
-    """``fn(buf)`` on a thread of its own (its exceptions logged: ``meanwhile`` results are optional)."""
-    def run() -> None:
-        try:
-            fn(buf)
-        except Exception as exc:  # noqa: BLE001 - the caller's later path gives the precise error
-            logger.debug("work beside a file's upload failed: %r", exc)
+def open_regular(path: str, where: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file and not a symbolic link.
 
-    thread = threading.Thread(target=run, name="checkpointd-parse", daemon=True)
-    thread.start()
-    return thread
+    Opened non-blocking, so that a FIFO or device planted in place of a checkpoint file is refused
+    instead of blocking the restore forever; the flag is cleared before the descriptor is used.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CorruptCheckpointError: a link, a directory or anything else that is not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symbolic link; EISDIR, ENXIO (a socket), ...
+        raise CorruptCheckpointError(f"{where} is not a regular file ({exc.strerror}); the checkpoint is damaged") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{where} is not a regular file (a {kind_of(mode)}); the checkpoint is damaged")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def read_file_verified(path: str, expected_size: int, where: str,
-                       meanwhile: Callable[[torch.Tensor], None] | None = None,
-                       device_verify: Callable[[torch.Tensor], int | None] | None = None,
-                       meanwhile_beside_device: bool = False) -> tuple[torch.Tensor, int, str]:
+                       device_verify: Callable[[torch.Tensor], int | None] | None = None) -> tuple[torch.Tensor, int, str]:
     """``(buffer, size, checksum)``: the whole file in a uint8 tensor, read and checksummed in parallel.
 
-    The caller compares size and checksum with the manifest before using the buffer. When the file's
-    size differs from ``expected_size`` nothing is read (checksum ``""``). Files on a memory file
-    system are mapped instead of read (:func:`use_mmap`); the checksum covers the mapped bytes.
-
-    ``meanwhile(buffer)`` runs once on the calling thread when every byte of the buffer is there: for
-    a mapped file while the checksum is computed (the mapping holds the file's bytes from the start),
-    for a read file after the read. Whatever it derives is unverified until the caller has compared
-    the checksum; it must not change the buffer or anything outside.
+    The caller compares size and checksum with the manifest before using the buffer: nothing here
+    parses it. When the file's size differs from ``expected_size`` nothing is read (checksum ``""``).
+    Files on a memory file system are mapped instead of read (:func:`use_mmap`); the checksum covers
+    the mapped bytes.
 
     ``device_verify(buffer)``, for a mapped file only, may return the file's CRC-32 computed elsewhere
     (:func:`checkpointd.device_image.verify`: on the GPU, from an upload of the mapping); the host
-    checksum is then skipped and ``meanwhile`` runs after it. None: the host checksums as usual. With
-    ``meanwhile_beside_device`` (when ``device_verify`` holds no GIL while it uploads:
-    :func:`checkpointd.bulkcopy.uploads_off_gil`) ``meanwhile`` runs on a thread of its own beside
-    ``device_verify`` (or beside the host checksum, if that declined) instead of after it.
+    checksum is then skipped. None: the host checksums as usual.
+
+    Raises:
+        FileNotFoundError: missing.
+        CorruptCheckpointError: not a regular file (:func:`open_regular`).
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path, where)
     try:
         size = os.fstat(fd).st_size
         if size != expected_size:
@@ -205,29 +213,15 @@ def read_file_verified(path: str, expected_size: int, where: str,
         ranges = [(a, min(size, a + step)) for a in range(0, size, step)]
         if mapped:
             buf = _map_file(fd, size)
-            beside = None
-            if device_verify is not None and meanwhile is not None and meanwhile_beside_device:
-                beside = _start_beside(meanwhile, buf)
-                meanwhile = None
-            try:
-                crc = device_verify(buf) if device_verify is not None else None
-                if crc is None:
-                    view = byte_view(buf)
-                    crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges],
-                                              meanwhile=None if meanwhile is None else functools.partial(meanwhile, buf))
-                elif meanwhile is not None:
-                    meanwhile(buf)
-            finally:
-                if beside is not None:
-                    beside.join()
+            crc = device_verify(buf) if device_verify is not None else None
             if crc is not None:
                 return buf, size, format_crc(crc)
+            view = byte_view(buf)
+            crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges])
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             view = byte_view(buf)
             crcs = ptlayout.run_tasks([functools.partial(_read_task, fd, view, a, b) for a, b in ranges])
-            if meanwhile is not None:
-                meanwhile(buf)
     finally:
         os.close(fd)
     crc = 0
@@ -263,87 +257,22 @@ def decode_to_buffer(codec_name: str, stored: torch.Tensor, native_size: int | N
 
 
 def load_pt_in_place(buf: torch.Tensor) -> Any:
-    """Unpickle a ``.pt`` file held in ``buf`` (1-D uint8, CPU) with storages sliced from ``buf``.
+    """Unpickle a verified ``.pt`` file held in ``buf`` (1-D uint8, CPU) with storages sliced from ``buf``.
 
-    Never runs code: first with :class:`_CoreGlobalsUnpickler` (the C unpickler, limited to the few
-    globals a state dict needs, every one of them on torch's weights-only allow-list), and for any
-    file that references anything else, with torch's weights-only unpickler itself. Raises whatever
-    torch raises; callers fall back to the plain loader for their error messages.
+    The pickle is run by torch's own weights-only unpickler (what ``torch.load(weights_only=True)``
+    runs), so this accepts exactly what that accepts: no code runs, no object outside its allow-list
+    is built or changed. Raises whatever torch raises; callers fall back to the plain loader for their
+    error messages.
     """
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    view = byte_view(buf)
     storage = buf.untyped_storage()
     offset = buf.storage_offset()
     if offset or storage.nbytes() != buf.numel():
         storage = storage[offset:offset + buf.numel()]
-    for module in (_core_globals_module(), _weights_only_unpickler):
-        if module is None:
-            continue
-        reader = torch._C.PyTorchFileReader(BufferReader(view))  # type: ignore[call-overload]  # stub: IO[bytes] only
-        try:
-            return _load(reader, "cpu", module, overall_storage=storage, encoding="utf-8")
-        except _NotCoreGlobal:
-            continue
-    raise AssertionError("unreachable: torch's weights-only unpickler answers every file")
-
-
-class _NotCoreGlobal(pickle.UnpicklingError):
-    """The pickle references a global outside :data:`_CORE_GLOBAL_NAMES`: torch's own unpickler decides."""
-
-
-_CORE_GLOBAL_NAMES = (
-    ("collections", "OrderedDict"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("_codecs", "encode"),
-)
-"""What state dicts reference (besides storage types and dtypes). Why a C unpickler for them: torch's
-weights-only unpickler is written in Python and spent ~20 ms per file on a 240-tensor 4.8 GB state
-(H200 host), before any byte could be copied; the C unpickler takes a fraction of that."""
-
-
-class _CoreModule:
-    Unpickler: type
-
-
-@functools.cache
-def _core_globals_module() -> Any:
-    """A ``pickle_module`` for ``torch.serialization._load`` whose ``Unpickler`` admits only core globals.
-
-    Every admitted global is checked to be on torch's weights-only allow-list (so this path accepts a
-    subset of what ``torch.load(weights_only=True)`` accepts); None if torch's list cannot be read.
-    """
-    module: Any = None
-    try:
-        from torch._weights_only_unpickler import _get_allowed_globals
-
-        allowed = _get_allowed_globals()
-        table: dict[tuple[str, str], Any] = {}
-        for mod, name in _CORE_GLOBAL_NAMES:
-            obj = allowed.get(f"{mod}.{name}")
-            if obj is not None:
-                table[(mod, name)] = obj
-        for key, obj in allowed.items():
-            if isinstance(obj, torch.dtype):  # torch.float32 and friends
-                mod, _, name = key.rpartition(".")
-                table[(mod, name)] = obj
-
-        class _CoreGlobalsUnpickler(pickle.Unpickler):
-            def find_class(self, module_name: str, name: str) -> Any:
-                obj = table.get((module_name, name))
-                if obj is None:
-                    raise _NotCoreGlobal(f"{module_name}.{name}")
-                return obj
-
-        module = _CoreModule()
-        module.Unpickler = _CoreGlobalsUnpickler
-    except Exception as exc:  # noqa: BLE001 - private torch API moved: torch's own unpickler only
-        logger.debug("weights-only allow-list unavailable (%r); using torch's unpickler only", exc)
-    return module
+    reader = torch._C.PyTorchFileReader(BufferReader(byte_view(buf)))  # type: ignore[call-overload]  # stub: IO[bytes] only
+    return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")

@@ -18,7 +18,8 @@ ZSTD_SUFFIX = ".zst"
 MP_RANK = 0
 """PhysicsNeMo's model-parallel rank component of file names; checkpointd always writes 0."""
 
-_STEP_DIR_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(\d{{{STEP_DIGITS},}})$")
+_STEP_DIR_RE = re.compile(rf"{re.escape(STEP_DIR_PREFIX)}([0-9]{{{STEP_DIGITS},{STEP_DIGITS + 9}}})")
+"""ASCII digits only (``re``'s ``\\d`` also matches other scripts' digits), at most 18 of them."""
 
 
 def step_dir_name(step: int) -> str:
@@ -29,9 +30,17 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir_name(name: str) -> int | None:
-    """The step of a step directory's base name, or ``None`` for any other name."""
-    match = _STEP_DIR_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
+    """The step of a step directory's base name, or ``None`` for any other name.
+
+    Only the canonical name counts (``step_dir_name(step) == name``): ``step-0000000100`` is not a
+    second name for step 100, so every listed step is read from the directory it was listed under.
+    """
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    match = _STEP_DIR_RE.fullmatch(base)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dir_name(step) == base else None
 
 
 def model_file_name(stem: str, step: int, ext: str, codec_suffix: str = "") -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import commit, layout
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from .restore import decode, load_native, read_step, values_by_entry
+from .restore import decode, load_native, malformed_is_damage, read_step, values_by_entry
 from .storage import Store
 
 _PN_FILE_RE = re.compile(r"^(?P<stem>.+)\.(?P<rank>\d+)\.(?P<epoch>\d+)\.(?P<ext>pt|mdlus)$")
@@ -55,12 +55,13 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
 
 def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
     manifest = commit.read_committed_manifest(store, step_dir)
-    contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
-    if manifest.mode == "sharded":
-        from .distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
+    with malformed_is_damage(store.display(step_dir)):
+        contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
+        if manifest.mode == "sharded":
+            from .distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
 
-        return assemble_full_values(manifest, contents)
-    return values_by_entry(manifest, contents)
+            return assemble_full_values(manifest, contents)
+        return values_by_entry(manifest, contents)
 
 
 def _load_single_file(store: Store) -> Any:

@@ -39,8 +39,8 @@ from .errors import (
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
+    NOT_VERIFIED,
+    RootInUseError,
     StepAlreadyExistsError,
 )
 from .policy import RetentionPolicy, SaveSchedule
@@ -51,6 +51,7 @@ from .snapshot import Snapshotter
 from .state import build_entries, build_files, clean_metrics
 from .storage import Store
 from .inflight import InFlight
+from .lease import RootLease
 from .manager_setup import (
     as_step,
     as_steps,
@@ -67,6 +68,7 @@ from .writer import BackgroundWriter, SaveJob
 logger = logging.getLogger("checkpointd")
 
 _VALID_MODES = ("full", "sharded")
+
 class CheckpointManager:
     """Asynchronous checkpoints of ``state`` under ``root`` (SPEC §1).
 
@@ -106,6 +108,10 @@ class CheckpointManager:
         freeze_gc: collect, then ``gc.freeze()`` the objects alive at construction until the last
             manager closes, so that the full collections a save's objects trigger stay short (see
             ``gcfreeze.py``: otherwise one costs the training thread 60-180 ms every few saves).
+        lease_timeout_secs: one writer per root: the first save takes a lease on the root (and on
+            ``local_dir``), renewed every quarter of this; a writer on another host whose lease was
+            not renewed for this long is taken over (one on this host as soon as its process is gone).
+            See ``lease.py``.
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class CheckpointManager:
         local_dir: str | os.PathLike[str] | None = None,
         save_on_signals: bool | Iterable[int] = False,
         freeze_gc: bool = True,
+        lease_timeout_secs: float = 60.0,
     ) -> None:
         if mode not in _VALID_MODES:
             raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
@@ -160,12 +167,24 @@ class CheckpointManager:
             self._store = open_store(local_dir, None, retry_timeout_secs)
         self._entries = build_entries(state, physicsnemo_detector())
         self._dist = distributed_runtime(self._entries, mode, dist_timeout_secs)
+        if not (isinstance(lease_timeout_secs, (int, float)) and lease_timeout_secs > 0):
+            raise ConfigError(f"lease_timeout_secs must be a number > 0, got {lease_timeout_secs!r}")
+        self._leases: list[RootLease] = []
+        """One writer per root, taken at the first due save; a distributed job is one writer: rank 0's."""
+        self._leases_taken = False
+        if self._dist is None or self._dist.is_rank0:
+            self._leases = [RootLease(s, timeout_secs=float(lease_timeout_secs))
+                            for s in (self._store, self._remote) if s is not None]
         self._closed = False
         self._lock = threading.RLock()
         self._inflight = InFlight()
         self._committed: set[int] | None = None
         self._metrics = MetricsCache(self._store)
         self._last_committed: int | None = None
+        self._branched_from: int | None = None
+        """The step the last restore returned: saves of committed steps after it replace them (a branch)."""
+        self._stale_steps: set[int] = set()
+        """Committed steps after ``_branched_from`` not yet replaced: retention neither counts nor deletes them."""
         if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
             raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
         self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes,
@@ -173,6 +192,8 @@ class CheckpointManager:
         threads = file_threads or min(8, max(2, (os.cpu_count() or 2)))
         self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads) if self._dist is None
                         else self._dist.make_writer(self._store, self._codec, threads))
+        if self._leases:
+            self._writer.before_marker = self._leases[0].check  # no commit once another writer took the root
         self._hooks: list[Any] = []
         self._opt_state_sizes: dict[int, int] = {}
         self._uploader: Any = None
@@ -183,7 +204,8 @@ class CheckpointManager:
 
             self._uploader = Uploader(self._store, self._remote, self._retention, file_threads=threads,
                                       on_uploaded=self._after_upload)
-            self._uploader.resume_pending()
+            self._uploader.before_marker = self._leases[1].check
+            self._uploader.resume_pending(before_first=self._take_leases)
         self._preemption: Any = None
         from .preemption import PreemptionWatcher, resolve_signals
 
@@ -228,16 +250,21 @@ class CheckpointManager:
             return False
         if step in self._inflight.steps():
             return False
+        self._take_leases()
         with self._lock:
             already = step in self._committed_steps()
         if preempted and already and not force and not self._overwrite:
             self._preemption.save_pending = False  # this step is saved already: nothing more to do
             return False
         if already and not self._overwrite:
-            raise StepAlreadyExistsError(
-                f"step {step} is already committed at {self._store.display(layout.step_dir_name(step))}; "
-                "pass overwrite=True or resume from latest_step()"
-            )
+            if self._branched_from is None or step <= self._branched_from:
+                raise StepAlreadyExistsError(
+                    f"step {step} is already committed at {self._store.display(layout.step_dir_name(step))}; "
+                    "resume with `start = mgr.resume()` (the step after the newest checkpoint), or pass overwrite=True"
+                )
+            warnings.warn(f"checkpointd: step {step} replaces the committed step {step} of the run this one branched "
+                          f"from: it was restored at step {self._branched_from}", RuntimeWarning, stacklevel=2)
+        self._stale_steps.discard(step)
         t0 = time.perf_counter()
         clean = clean_metrics(metrics)
         if self._dist is None:
@@ -247,17 +274,22 @@ class CheckpointManager:
         else:  # full mode gathers here, collectively, on every rank
             files, locations, extra = self._dist.build_files(step, clean, capture_rng(), self._codec.suffix,
                                                              mdlus_members())
-        self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
-        # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
-        while len(self._inflight) >= self._max_pending:
-            self._inflight.wait_for(self._inflight.oldest(), timeout=None)  # type: ignore[arg-type]
-        if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
-            self._uploader.wait_backlog(self._max_pending)
-        self._raise_failures()
-        job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
-                         mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
-                         codec_name=self._codec.name, locations=locations, extra=extra,
-                         clear_step_dir=self._clear_step_dir)
+        try:
+            self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
+            # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
+            while len(self._inflight) >= self._max_pending:
+                self._inflight.wait_for(self._inflight.oldest(), timeout=None)  # type: ignore[arg-type]
+            if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
+                self._uploader.wait_backlog(self._max_pending)
+            self._raise_failures()
+            job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
+                             mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
+                             codec_name=self._codec.name, locations=locations, extra=extra,
+                             clear_step_dir=self._clear_step_dir)
+        except BaseException as exc:
+            if self._dist is not None:  # the ranks agreed to save `step`: fail it on every rank now, naming this error
+                self._dist.abandon(step, exc)
+            raise
         job.after_commit = self._after_commit
         job.fast = preempted or ptlayout.fast_persist()  # the grace period waits for a preemption save
         self._inflight.add(job, time.perf_counter() - t0)
@@ -271,6 +303,32 @@ class CheckpointManager:
     def save(self, step: int, *, metrics: Mapping[str, Any] | None = None) -> None:
         """``maybe_save(step, force=True)``."""
         self.maybe_save(step, metrics=metrics, force=True)
+
+    def _take_leases(self) -> None:
+        """One writer per root: at the first due save, before anything is written (every rank of a
+        distributed job raises rank 0's refusal alike, instead of waiting in a collective).
+
+        Raises:
+            RootInUseError: another live writer holds the root (the message names it).
+        """
+        if self._leases_taken:
+            return
+        error: tuple[bool, str] | None = None
+        try:
+            for lease in self._leases:
+                lease.acquire()
+        except RootInUseError as exc:
+            error = (True, str(exc))
+        except OSError as exc:  # the root cannot be written at all (a file in the way, no permission)
+            error = (False, f"cannot save under {lease.store.display()}: {type(exc).__name__}: {exc}; "
+                            "nothing was written. Pass a writable directory as the root")
+        if self._dist is not None:
+            error = self._dist.agree(error)
+        if error is not None:
+            for lease in self._leases:
+                lease.release()
+            raise (RootInUseError if error[0] else CheckpointWriteError)(error[1])
+        self._leases_taken = True
 
     def _clear_step_dir(self, step_dir: str) -> None:
         """Remove an uncommitted leftover (or, with overwrite=True, the old commit) before writing."""
@@ -310,7 +368,8 @@ class CheckpointManager:
         protected = self._inflight.steps() - {just_committed}
         if self._uploader is not None:
             protected |= self._uploader.pending_steps()  # never delete a step before its upload
-        deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics)
+        deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics,
+                                  ignored=frozenset(self._stale_steps))
         with self._lock:
             if self._committed is not None:
                 self._committed.difference_update(deleted)
@@ -383,48 +442,114 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def resume(self, first_step: int = 0) -> int:
+        """Restore the newest verified checkpoint and return the step to run next.
+
+        The loop's one line for a job that may be a restart: ``start = mgr.resume()`` then
+        ``for step in range(start, total): ...; mgr.maybe_save(step)``. Returns ``s + 1`` after
+        restoring step ``s`` (the loop saved ``s`` after running it), ``first_step`` when the root holds
+        no checkpoint. Raises like :meth:`restore_latest` when checkpoints exist but none verifies.
+        """
+        step = self.restore_latest()
+        return first_step if step is None else step + 1
+
     def restore_latest(self) -> int | None:
         """Restore the newest committed step that verifies, in place; None if the root has none.
 
-        A newest checkpoint that fails verification is skipped with a warning. If committed steps
-        exist but none verifies, raises CorruptCheckpointError (never silently restarts from scratch).
+        A newer step that fails verification is skipped with a warning and, once an older one restored,
+        taken out of the checkpoints (its marker removed, its files moved to
+        ``<root>/.checkpointd-damaged/``), so the resumed run saves that step again. If committed steps exist but none verifies, raises
+        CorruptCheckpointError (never silently restarts from scratch).
         """
         self._check_open()
         self.wait()
         try:
-            return self._restore_latest()
+            step = self._restore_latest()
         finally:
             self._prepare_pending_buffers()
+        self._branched(step)
+        return step
 
     def _restore_latest(self) -> int | None:
         if self._remote is not None:
             from .tiers import restore_latest_two_tier
 
-            return restore_latest_two_tier(self._store, self._remote, self._restore_step)
-        steps = self.steps() if self._dist is None else self._dist.agree(self.steps())  # rank 0's listing
+            return restore_latest_two_tier(self._store, self._remote, self._restore_step, self._quarantine_all)
+        steps = commit.marked_steps(self._store)  # committed, and those whose marker no longer matches
+        if self._dist is not None:
+            steps = self._dist.agree(steps)  # rank 0's listing
         if not steps:
             return None
         failures: list[str] = []
+        damaged: list[tuple[Store, int, BaseException]] = []
         for step in reversed(steps):
             try:
                 self._restore_step(step)
-                return step
-            except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
-                warnings.warn(f"checkpointd: skipping step {step}, it does not verify: {exc}", RuntimeWarning, stacklevel=2)
-                logger.warning("checkpointd: skipping step %d: %s", step, exc)
+            except NOT_VERIFIED as exc:
+                warnings.warn(f"checkpointd: skipping step {step}, it does not verify: {exc}", RuntimeWarning, stacklevel=3)
                 failures.append(f"step {step}: {exc}")
+                damaged.append((self._store, step, exc))
+                continue
+            self._quarantine_all(damaged)
+            return step
         raise CorruptCheckpointError(
             f"{self._store.display()} holds {len(steps)} committed step(s) but none verifies: " + "; ".join(failures[:5])
         )
 
+    def _quarantine_all(self, damaged: list[tuple[Store, int, BaseException]]) -> None:
+        """Once a restore succeeded: take the newer steps that failed verification out of the checkpoints.
+
+        Only then: a root where no step verifies keeps them, so every restart raises instead of
+        starting from scratch.
+        """
+        for store, step, exc in damaged:
+            moved = self._quarantine(store, step, exc)
+            if moved:
+                logger.warning("checkpointd: step %d did not verify; its files were moved to %s", step, moved)
+
+    def _quarantine(self, store: Store, step: int, exc: BaseException) -> str | None:
+        """A step that failed verification stops being committed (rank 0 acts for a distributed job)."""
+        with self._lock:
+            if self._committed is not None:
+                self._committed.discard(step)
+        if self._dist is not None and not self._dist.is_rank0:
+            return None
+        lease = next((lease for lease in self._leases if lease.store is store), None)
+        took = False
+        if lease is not None and not lease.held:
+            try:  # moving a step is a write: never under a live writer of this root
+                lease.acquire()
+                took = True
+            except RootInUseError as busy:
+                logger.warning("checkpointd: step %d failed verification; left in place: %s", step, busy)
+                return None
+        try:
+            moved = commit.quarantine(store, layout.step_dir_name(step), f"{type(exc).__name__}: {exc}")
+        finally:
+            if took and not self._leases_taken:
+                lease.release()  # type: ignore[union-attr]
+        return None if moved is None else store.display(moved)
+
+    def _branched(self, step: int | None) -> None:
+        """After a restore of ``step``: later committed steps belong to the run it branched from."""
+        self._branched_from = step
+        self._stale_steps = set() if step is None else {s for s in self._committed_steps() if s > step}
+
     def restore(self, step: int) -> None:
-        """Restore exactly ``step`` in place (verified first)."""
+        """Restore exactly ``step`` in place (verified first).
+
+        A step that fails verification is taken out of the checkpoints (as in :meth:`restore_latest`,
+        unless it is the only committed step) and the error raised. After a restore of ``step``, saving a committed step newer than it
+        replaces that step, with a warning: the run has branched from ``step``.
+        """
         self._check_open()
         self.wait()
+        step = as_step(step)
         try:
             self._restore_exact(step)
         finally:
             self._prepare_pending_buffers()
+        self._branched(step)
 
     def _restore_exact(self, step: int) -> None:
         store = self._store
@@ -434,7 +559,12 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"step {step} is not committed under {store.display()} (committed: {self.steps()[-10:]})"
             )
-        self._restore_step(step, store)
+        try:
+            self._restore_step(step, store)
+        except NOT_VERIFIED as exc:
+            if len(self.steps()) > 1:  # never the last committed step: restarts must keep raising
+                self._quarantine(store, step, exc)
+            raise
 
     def _restore_step(self, step: int, store: Store | None = None) -> None:
         step_dir = layout.step_dir_name(step)
@@ -495,6 +625,8 @@ class CheckpointManager:
             h.remove()
         self._hooks.clear()
         self._writer.close()
+        for lease in self._leases:
+            lease.release()
         self._snap.close()
         if getattr(self, "_files_ahead", None):
             self._files_ahead.stop()

@@ -12,9 +12,11 @@ files, fsspec files with ranged reads on S3/GCS, ``BytesIO``).
 The same meta-tensor view serves ``checkpointd inspect``: shapes and dtypes of every tensor of a
 file, from its pickle alone.
 
-Integrity: each record read is checked against the CRC-32 of the zip directory and each decoded chunk
-against its codec checksum; the file's size is checked against the manifest. The whole-file
-checksum of the manifest needs every byte, so it is left to restore and ``checkpointd verify``.
+Integrity: a file of a committed step is streamed through its manifest checksum before its pickle is
+parsed (nothing from a checkpoint root is parsed unverified; the data read is then only what the
+tensors asked for need). Each record read is also checked against the CRC-32 of the zip directory and
+each decoded chunk against its codec checksum. A single file given by path has no manifest: its
+records' own checksums are all there is.
 
 Safety: ``data.pkl`` only ever goes through torch's weights-only unpickler; a pickle that references
 anything outside its allow-list raises :class:`UnsafeCheckpointError` before anything runs.
@@ -42,6 +44,7 @@ from . import commit, layout
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .storage import Store
 from .streams import ReadStream, SeekableReader
+from .verify import verify_file
 
 __all__ = ["CheckpointFile", "TensorInfo", "load_tensor", "load_tensors", "open_file", "split_key"]
 
@@ -307,9 +310,7 @@ def load_tensors(path: str | os.PathLike[str], keys: Sequence[KeyPath], *, step:
     for rel, wanted in by_file.items():
         entry = manifest.file(rel)
         full = layout.join(step_dir, rel)
-        size = store.size(full)
-        if size != entry.size:
-            raise CorruptCheckpointError(f"{store.display(full)} has {size} bytes, the manifest says {entry.size}: truncated or altered")
+        verify_file(store, step_dir, entry)  # the whole file against its checksum before anything is parsed
         with _open_in_store(store, full, entry.codec, entry.format, store.display(full)) as f:
             for p, inner in wanted:
                 out[join_key(p)] = f.load_tensor(inner)

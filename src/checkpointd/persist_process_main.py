@@ -38,17 +38,22 @@ Populating a blank file (``keep``) is background work: it goes in ranges of
 :data:`BACKGROUND_RANGE_BYTES` and waits between them while a save writes (a ``write`` request runs or a
 file is attached), so that it never holds up a save (see :meth:`Server.populate_in_background`).
 
+Every file a request sends is checked before a byte goes in (:func:`check_writable`): a regular file
+with no other hard link, else the request fails with ``EPERM``. The process opens no path itself.
+
 The process exits when the socket closes (its parent exited or closed it) or on ``("exit",)``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
 import marshal
 import mmap
 import os
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -200,6 +205,25 @@ class _KeptFile:
         self.anchor = None
         self.mapping.close()
         os.close(self.fd)
+
+
+def check_writable(fd: int) -> None:
+    """Refuse to write into ``fd`` unless it is a regular file with no other hard link (one ``fstat``
+    a request): a file with another link is someone else's as well, and is never written into.
+
+    The requester opens every file it sends without following links (``O_NOFOLLOW``) and checks it the
+    same way; this is the same rule where the bytes are written.
+
+    Raises:
+        OSError: EPERM, naming what the file is.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EPERM, "refusing to write into something that is not a regular file "
+                      f"(mode {oct(st.st_mode)})")
+    if st.st_nlink > 1:
+        raise OSError(errno.EPERM, f"refusing to write into a file with {st.st_nlink} hard links (another "
+                      "link is someone else's)")
 
 
 def _same_file(fd: int, st: os.stat_result) -> bool:
@@ -365,6 +389,7 @@ class Server:
         self._answer(request_id, fd, lambda: self._scatter(fd, pieces))
 
     def _scatter(self, fd: int, pieces: list) -> None:
+        check_writable(fd)
         for offset, data in pieces:
             self.pwrite_all(fd, data, offset)
 
@@ -395,6 +420,7 @@ class Server:
               ) -> tuple[Callable[[_Slab, int, int, int], None], Callable[[int, int], None] | None, _KeptFile | None]:
         """How to put bytes into ``fd`` (``put(slab, start, n, offset)``), its writeback starter and the
         mapping checked out for it (``mmap`` mode; the caller checks it in when done)."""
+        check_writable(fd)
         kept = None
         if mode == "mmap" and end > 0:
             # Reserved first, so a full disk is ENOSPC here and never SIGBUS in a copy. (Reserving each

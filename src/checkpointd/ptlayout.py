@@ -61,7 +61,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import fsinfo, recycle
+from . import fsinfo, localpaths, recycle
 from .crc import crc32, crc32_combine
 from .lanes import run_in_lanes
 
@@ -739,18 +739,40 @@ def _combine_filled(runs: list[tuple[Piece, int, int, int]]) -> None:
 
 def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                executor: Executor | None = None, durable: bool = True, fill: FillFn | None = None,
-               fast: bool = False, recycle_from: str | None = None) -> WriteResult:
+               fast: bool = False, recycle_from: str | None = None, root: str | None = None) -> WriteResult:
     """Create ``path`` holding ``img``; fsync'd (file and directory) when ``durable``.
 
     On any failure the partial file is removed and the error raised. ``fill``, ``fast``: see :func:`write_image`.
     ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it becomes
-    ``path`` and is written over (:func:`write_image` sets its size first).
+    ``path`` and is written over (:func:`write_image` sets its size first), once its open descriptor
+    shows a regular file with no other link.
+
+    ``root``: the checkpoint root ``path`` lies below; the directories between them are then opened
+    without following links (a link there raises :class:`checkpointd.errors.LinkedPathError`),
+    so nothing outside the root is ever written, whatever links the root holds. Without it, the
+    directory of ``path`` is the caller's. Either way ``path`` is never written through: whatever name
+    is there is unlinked and a new file created (``O_EXCL|O_NOFOLLOW``), unless a checked retired file
+    takes its place.
     """
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)  # RDWR: mmap mode
-    recycled = recycle_from is not None and recycle.take(recycle_from, path, img.end)
-    if not recycled:
-        flags |= os.O_TRUNC
-    fd = os.open(path, flags, 0o644)
+    if root is not None and path.startswith(root.rstrip("/") + "/"):
+        dir_fd, name = localpaths.open_parent_below(root, path[len(root.rstrip("/")) + 1:])
+    else:
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        name = os.path.basename(path)
+    try:
+        return _write_at(dir_fd, name, path, img, chunk_bytes=chunk_bytes, executor=executor, durable=durable,
+                         fill=fill, fast=fast, recycle_from=recycle_from)
+    finally:
+        os.close(dir_fd)
+
+
+def _write_at(dir_fd: int, name: str, path: str, img: ZipImage, *, chunk_bytes: int, executor: Executor | None,
+              durable: bool, fill: FillFn | None, fast: bool, recycle_from: str | None) -> WriteResult:
+    """:func:`write_file` into ``name`` of the directory ``dir_fd`` (``path``: for messages)."""
+    fd = recycle.take_open(recycle_from, dir_fd, name, img.end) if recycle_from is not None else None
+    recycled = fd is not None
+    if fd is None:
+        fd = localpaths.create_file(dir_fd, name, path, os.O_RDWR)  # RDWR: mmap mode
     try:
         result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
         result.recycled = recycled
@@ -761,17 +783,13 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
             os.close(fd)
         finally:
             try:
-                os.unlink(path)
+                os.unlink(name, dir_fd=dir_fd)
             except OSError:
                 pass
         raise
     os.close(fd)
     if durable:
-        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        os.fsync(dir_fd)
     return result
 
 

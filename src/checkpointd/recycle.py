@@ -24,7 +24,14 @@ What keeps this safe:
   mapping of each file it wrote (``persist_process_main._KeptFile``), so it takes that lease on its
   own descriptor; only for files it keeps no mapping of is the lease taken here.
   Where leases are not available (not Linux, a network file system), files are deleted as before.
-- Files with other hard links are deleted, never recycled.
+- Files with other hard links are deleted, never recycled; and a file a save takes is checked on its
+  open descriptor right before it is written (a regular file with one link, :func:`take_open`), so a
+  hard link or a link planted in the bin is never written through.
+- Nothing the bin deletes, renames or writes over lies outside the root, whatever links the root holds:
+  the bin and the step directories are opened without following links and every file is moved by
+  descriptor. A bin that is a symbolic link (or not a directory) is never used: recycling is skipped
+  for that root, with one warning; :func:`empty` (``close()``, ``checkpointd gc``) removes the link
+  itself, never its target.
 - A recycled file sits in a step directory that has no commit marker until every byte of the new save
   is written and checksummed: a crash midway leaves an uncommitted leftover, as with a new file.
 - ``close()`` empties the bin; a bin left by a crash is used (or emptied) by the next run's saves,
@@ -42,12 +49,13 @@ import collections
 import errno
 import logging
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import fsinfo
+from . import fsinfo, localpaths
 
 try:
     import fcntl
@@ -87,8 +95,9 @@ def bin_for(store: Any) -> str | None:
     return bin_dir(store) if enabled(store) else None
 
 
-def _exclusive(path: str) -> bool:
-    """True if no open file other than ours refers to ``path`` (a write lease is granted only then).
+def _exclusive(bin_fd: int, name: str) -> bool:
+    """True if ``name`` in the bin is a regular file with one link and no open file other than ours
+    refers to it (a write lease is granted only then).
 
     The persist process keeps its mapping of each file it wrote (for the next save into it), so it is
     asked first: it takes the lease on its own descriptor. Only where it keeps none is the lease taken here.
@@ -98,16 +107,22 @@ def _exclusive(path: str) -> bool:
     from . import persist_process
 
     try:
-        held = persist_process.holds_only_open(os.stat(path))
+        st = os.stat(name, dir_fd=bin_fd, follow_symlinks=False)
     except OSError:
         return False
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return False
+    held = persist_process.holds_only_open(st)
     if held is not None:
         return held
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=bin_fd)
     except OSError:
         return False
     try:
+        mine = os.fstat(fd)
+        if (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino) or mine.st_nlink != 1:
+            return False  # replaced meanwhile
         fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_WRLCK)
     except OSError:
         return False  # EAGAIN: opened or mapped elsewhere; EINVAL: no leases on this file system
@@ -121,42 +136,122 @@ def _exclusive(path: str) -> bool:
         os.close(fd)
 
 
-def _files(directory: str, min_bytes: int = 0, recursive: bool = False) -> list[tuple[str, int]]:
-    """``(path, size)`` of the regular files of at least ``min_bytes`` under ``directory`` (links skipped)."""
-    out = []
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_BIN_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC | os.O_NONBLOCK
+
+_warned_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _open_bin(directory: str, create: bool = False) -> int | None:
+    """A descriptor of the bin, opened without following a link; None where there is none (or, with
+    ``create``, it cannot be made) or it is unusable: a bin that is a symbolic link or not a directory
+    is never used (recycling is skipped for that root, with one warning naming it)."""
     try:
-        with os.scandir(directory) as it:
-            for entry in it:
-                try:
-                    if entry.is_file(follow_symlinks=False):
-                        size = entry.stat(follow_symlinks=False).st_size
-                        if size >= min_bytes:
-                            out.append((entry.path, size))
-                    elif recursive and entry.is_dir(follow_symlinks=False):
-                        out.extend(_files(entry.path, min_bytes, recursive))
-                except OSError:
-                    continue
-    except (FileNotFoundError, NotADirectoryError):
+        return os.open(directory, _BIN_FLAGS)
+    except FileNotFoundError:
+        if not create:
+            return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO):
+            _warn_unusable(directory)
+        return None
+    try:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)  # the root: the caller's path
+        os.mkdir(directory, 0o777)
+    except FileExistsError:
         pass
+    except OSError:
+        return None
+    try:
+        return os.open(directory, _BIN_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO):
+            _warn_unusable(directory)
+        return None
+
+
+def _warn_unusable(directory: str) -> None:
+    with _warned_lock:
+        if directory in _warned:
+            return
+        _warned.add(directory)
+    logger.warning(
+        "checkpointd: %s is a symbolic link or not a directory; retired files are not recycled under this "
+        "root (they are deleted). Remove it: `checkpointd gc` or closing a manager removes it (a link "
+        "as a link, never what it points to)", directory)
+
+
+def _scan(dir_fd: int, min_bytes: int = 0) -> list[tuple[str, int]]:
+    """``(name, size)`` of the regular files of at least ``min_bytes`` directly in ``dir_fd`` with no
+    other hard link (links, fifos, hard-linked files skipped)."""
+    out = []
+    with os.scandir(dir_fd) as it:
+        for entry in it:
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_size >= min_bytes and st.st_nlink == 1:
+                        out.append((entry.name, st.st_size))
+            except OSError:
+                continue
     return out
 
 
-def _large_files(directory: str) -> list[tuple[str, int]]:
-    return _files(directory, MIN_RECYCLE_BYTES, recursive=True)
-
-
-def _unlink(path: str) -> None:
+def _bin_entries(directory: str) -> list[tuple[str, int]]:
+    """``(path, size)`` of the files in the bin that a save could take ([] for an unusable bin)."""
+    fd = _open_bin(directory)
+    if fd is None:
+        return []
     try:
-        os.unlink(path)
+        return [(os.path.join(directory, name), size) for name, size in _scan(fd)]
+    finally:
+        os.close(fd)
+
+
+def _large_files_at(dir_fd: int, name: str) -> list[tuple[int, str, int]]:
+    """``(directory descriptor, name, size)`` of the large regular files under ``name`` in ``dir_fd``,
+    descended without following links (``os.fwalk``); the caller closes nothing: the descriptors are
+    duplicated and must be closed by it (see :meth:`Retirement.retire`)."""
+    out = []
+    for _dirpath, _dirs, _files, fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
+        found = _scan(fd, MIN_RECYCLE_BYTES)
+        if found:
+            kept = os.dup(fd)
+            out.extend((kept, n, size) for n, size in found)
+    return out
+
+
+def _unlink_at(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
 
 
 def empty(store: Any) -> None:
-    """Delete the bin and every file in it (``close()``: no save of this run will take them)."""
+    """Delete the bin and every file in it (``close()``: no save of this run will take them).
+
+    A bin that is a symbolic link (or not a directory) is removed itself, as a link: never what it
+    points to. Links, fifos and hard links in the bin are removed as names, never followed.
+    """
     directory = bin_dir(store)
-    for path, _ in _bin_entries(directory):
-        _unlink(path)
+    fd = _open_bin(directory)
+    if fd is None:
+        try:
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                os.unlink(directory)  # a link or a file planted at the bin's name: the name goes, not its target
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return
+    try:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
+        for name in names:
+            _unlink_at(fd, name)
+    finally:
+        os.close(fd)
     try:
         os.rmdir(directory)
     except OSError:
@@ -169,47 +264,79 @@ def contents(store: Any) -> tuple[int, int]:
     return len(entries), sum(n for _, n in entries)
 
 
-def _bin_entries(directory: str) -> list[tuple[str, int]]:
-    return _files(directory)
-
-
 class Retirement:
     """One retention pass: moves the large files of retired steps into the bin, up to ``budget`` bytes.
 
     ``budget`` is the size of the large files of the step just committed (what the next save will
     need) times :data:`RETIRE_SLACK`; whatever the previous pass left in the bin is deleted first.
+    Step directories are walked and files moved by descriptor, never through a link: a step directory
+    that is a link retires nothing, and with a bin that is a link (or not a directory) nothing is moved.
     """
 
     def __init__(self, store: Any, just_committed_dir: str) -> None:
         self.dir = bin_dir(store)
         self.store = store
-        self.budget = int(sum(n for _, n in _large_files(store.path(just_committed_dir))) * RETIRE_SLACK)
+        self.budget = int(sum(size for _, _, size in self._large_files(just_committed_dir, close=True)) * RETIRE_SLACK)
         self.recycled_bytes = 0
-        for path, _ in _bin_entries(self.dir):  # made only when a step is retired
-            _unlink(path)
+        fd = _open_bin(self.dir)  # made only when a step is retired
+        if fd is not None:
+            try:
+                with os.scandir(fd) as it:
+                    names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
+                for name in names:
+                    _unlink_at(fd, name)
+            finally:
+                os.close(fd)
+
+    def _large_files(self, step_dir: str, close: bool = False) -> list[tuple[int, str, int]]:
+        try:
+            root_fd = localpaths.open_dir_below(self.store.path(""), [])
+        except OSError:
+            return []
+        try:
+            found = _large_files_at(root_fd, step_dir)
+        except OSError:
+            found = []
+        finally:
+            os.close(root_fd)
+        if close:
+            for fd in {fd for fd, _, _ in found}:
+                os.close(fd)
+        return found
 
     def retire(self, step_dir: str) -> None:
         """Move ``step_dir``'s large files into the bin (within budget); the caller deletes the rest."""
-        for path, size in sorted(_large_files(self.store.path(step_dir)), key=lambda e: -e[1]):
-            if self.recycled_bytes + size > self.budget:
-                continue
-            os.makedirs(self.dir, exist_ok=True)
-            name = uuid.uuid4().hex
-            checking = os.path.join(self.dir, name + _CHECKING)  # not taken under this name
-            try:
-                os.rename(path, checking)
-            except OSError:
-                continue
-            # Renamed first, so no new opener finds it by its old name; then refused if anyone has it;
-            # only then under a name that savers take.
-            try:
-                if os.stat(checking).st_nlink != 1 or not _exclusive(checking):
-                    raise OSError("in use")
-                os.rename(checking, os.path.join(self.dir, name + _READY))
-            except OSError:
-                _unlink(checking)
-                continue
-            self.recycled_bytes += size
+        found = self._large_files(step_dir)
+        bin_fd = None
+        try:
+            for dir_fd, path, size in sorted(found, key=lambda e: -e[2]):
+                if self.recycled_bytes + size > self.budget:
+                    continue
+                if bin_fd is None:
+                    bin_fd = _open_bin(self.dir, create=True)
+                    if bin_fd is None:
+                        return
+                name = uuid.uuid4().hex
+                checking = name + _CHECKING  # not taken under this name
+                try:
+                    os.rename(path, checking, src_dir_fd=dir_fd, dst_dir_fd=bin_fd)
+                except OSError:
+                    continue
+                # Renamed first, so no new opener finds it by its old name; then refused if anyone has it
+                # (or it has another link); only then under a name that savers take.
+                try:
+                    if not _exclusive(bin_fd, checking):
+                        raise OSError("in use")
+                    os.rename(checking, name + _READY, src_dir_fd=bin_fd, dst_dir_fd=bin_fd)
+                except OSError:
+                    _unlink_at(bin_fd, checking)
+                    continue
+                self.recycled_bytes += size
+        finally:
+            if bin_fd is not None:
+                os.close(bin_fd)
+            for fd in {fd for fd, _, _ in found}:
+                os.close(fd)
 
 
 RETIRE_SLACK = 1.1
@@ -222,9 +349,30 @@ TAKE_RATIO = 1.5
 
 
 def take(directory: str, path: str, nbytes: int) -> bool:
-    """Rename a retired file from the bin ``directory`` to ``path`` (the smallest of at least
-    ``nbytes``, else the largest; none over :data:`TAKE_RATIO` times ``nbytes``); False if the bin has
-    none (or others took them first).
+    """Rename a retired file from the bin ``directory`` to ``path`` (see :func:`take_open`); False if the
+    bin has none that fits (or others took them first)."""
+    try:
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fd = take_open(directory, dir_fd, os.path.basename(path), nbytes)
+    finally:
+        os.close(dir_fd)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def take_open(directory: str, dir_fd: int, name: str, nbytes: int) -> int | None:
+    """Rename a retired file from the bin ``directory`` to ``name`` in the directory ``dir_fd`` (the
+    smallest of at least ``nbytes``, else the largest; none over :data:`TAKE_RATIO` times ``nbytes``)
+    and return it open for reading and writing; None if the bin has none (or others took them first).
+
+    The file is checked on the open descriptor, right before the caller writes: a regular file with
+    no other hard link. One that is not (a link or a hard link planted in the bin) leaves its new
+    name at once and the next is tried. A bin that is a link or not a directory is not used.
 
     Why no much larger file: a save takes its files one after the other, and with only some of the
     blank files made ahead in the bin, the model's file took the optimizer's (twice its size; cut to
@@ -233,22 +381,36 @@ def take(directory: str, path: str, nbytes: int) -> bool:
     a compressed file's ``nbytes`` is its raw size.
     """
     if nbytes < MIN_RECYCLE_BYTES:
-        return False
-    entries = [e for e in _bin_entries(directory)
-               if e[0].endswith(_READY) and e[1] <= nbytes * TAKE_RATIO]
-    fits = sorted((e for e in entries if e[1] >= nbytes), key=lambda e: e[1])
-    rest = sorted((e for e in entries if e[1] < nbytes), key=lambda e: -e[1])
-    for candidate, _ in fits + rest:
-        try:
-            os.rename(candidate, path)
-        except FileNotFoundError:
-            continue  # another writer (rank) took it first
-        except OSError as exc:
-            if exc.errno in (errno.EXDEV, errno.EISDIR, errno.ENOTDIR):
-                return False
-            continue
-        return True
-    return False
+        return None
+    bin_fd = _open_bin(directory)
+    if bin_fd is None:
+        return None
+    try:
+        entries = [e for e in _scan(bin_fd) if e[0].endswith(_READY) and e[1] <= nbytes * TAKE_RATIO]
+        fits = sorted((e for e in entries if e[1] >= nbytes), key=lambda e: e[1])
+        rest = sorted((e for e in entries if e[1] < nbytes), key=lambda e: -e[1])
+        for candidate, _ in fits + rest:
+            try:
+                os.rename(candidate, name, src_dir_fd=bin_fd, dst_dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue  # another writer (rank) took it first
+            except OSError as exc:
+                if exc.errno in (errno.EXDEV, errno.EISDIR, errno.ENOTDIR):
+                    return None
+                continue
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                _unlink_at(dir_fd, name)  # replaced by a link (or worse) meanwhile: never written through
+                continue
+            if localpaths.writable_here(fd):
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+            _unlink_at(dir_fd, name)  # another link to it exists: someone else's file, never written into
+        return None
+    finally:
+        os.close(bin_fd)
 
 
 class FilesAhead:
@@ -386,7 +548,7 @@ class FilesAhead:
         """(sets still wanted, files of each size that count towards them)."""
         if self.saves_started is None:
             return self.sets, collections.Counter(n for _, n in self._ready_paths)
-        waiting = collections.Counter(n for path, n in self._ready_paths if os.path.exists(path))
+        waiting = collections.Counter(n for path, n in self._ready_paths if os.path.lexists(path))
         return max(0, self.sets - self.saves_started()), waiting
 
     def _still_wanted(self, nbytes: int) -> bool:
@@ -425,10 +587,10 @@ class FilesAhead:
         if any(not _made_by_another_running_process(os.path.basename(path))
                for path, _ in _bin_entries(self.directory)):
             return False
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError:
+        fd = _open_bin(self.directory, create=True)  # never a link: blank files are made in the root only
+        if fd is None:
             return False
+        os.close(fd)
         return True
 
     def _idle(self) -> bool:
@@ -440,32 +602,38 @@ class FilesAhead:
 
     def _make(self, nbytes: int) -> bool:
         name = _ahead_name()
-        checking = os.path.join(self.directory, name + _CHECKING)  # not taken before it is whole
-        try:
-            fd = os.open(checking, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError:
-            return False
+        checking = name + _CHECKING  # not taken before it is whole
+        bin_fd = _open_bin(self.directory)
+        if bin_fd is None:
+            return False  # emptied (closed), or replaced by a link: saves make their own files
         try:
             try:
-                if self.premap is None or not self.premap(fd, nbytes):
-                    os.posix_fallocate(fd, 0, nbytes)
-                    if fsinfo.is_memory_backed(fsinfo.fd_filesystem_type(fd)):
-                        self._write_zeros(fd, nbytes)
-            finally:
-                os.close(fd)
-            ready = os.path.join(self.directory, name + _READY)
-            os.rename(checking, ready)
-        except _NotWanted:
-            _unlink(checking)
-            with self._lock:
-                self.given_up += 1
-            return True  # the next ``_next`` says whether any other file is still wanted
-        except Exception as exc:  # noqa: BLE001 - a full disk, the bin emptied meanwhile: saves make their own
-            logger.debug("checkpointd: no blank file of %d bytes made ahead: %s", nbytes, exc)
-            _unlink(checking)
-            return False
+                fd = os.open(checking, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644,
+                             dir_fd=bin_fd)
+            except OSError:
+                return False
+            try:
+                try:
+                    if self.premap is None or not self.premap(fd, nbytes):
+                        os.posix_fallocate(fd, 0, nbytes)
+                        if fsinfo.is_memory_backed(fsinfo.fd_filesystem_type(fd)):
+                            self._write_zeros(fd, nbytes)
+                finally:
+                    os.close(fd)
+                os.rename(checking, name + _READY, src_dir_fd=bin_fd, dst_dir_fd=bin_fd)
+            except _NotWanted:
+                _unlink_at(bin_fd, checking)
+                with self._lock:
+                    self.given_up += 1
+                return True  # the next ``_next`` says whether any other file is still wanted
+            except Exception as exc:  # noqa: BLE001 - a full disk, the bin emptied meanwhile: saves make their own
+                logger.debug("checkpointd: no blank file of %d bytes made ahead: %s", nbytes, exc)
+                _unlink_at(bin_fd, checking)
+                return False
+        finally:
+            os.close(bin_fd)
         with self._lock:
-            self._ready_paths.append((ready, nbytes))
+            self._ready_paths.append((os.path.join(self.directory, name + _READY), nbytes))
         return True
 
     def _write_zeros(self, fd: int, nbytes: int) -> None:

@@ -7,10 +7,13 @@ Loading never unpickles code: native files go through ``torch.load(weights_only=
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import pickle
+import zipfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
@@ -19,8 +22,9 @@ import torch
 from . import device_image, layout
 from .streams import ReadStream, byte_view
 from .checksum import ChecksumReader
-from .errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
+from .rng import check_rng
 from .state import RNG_KEY, Entry, unwrap_module
 from .storage import Store
 from .verify import check_file
@@ -111,60 +115,45 @@ def fast_read_applies(store: Store, entry: FileEntry) -> bool:
 def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     """Decoded content of one local file: parallel verified read, decode, tensors built in place.
 
-    Every byte is checked against the manifest before the content is used; nothing is applied here. An
-    uncompressed mapped file is parsed while its checksum is computed (restricted unpickling, tensors
-    viewing the mapping, nothing copied): that result is returned only once the checksum matched. Within
-    a restore into CUDA tensors a mapped file may instead be uploaded and checksummed on the GPU
-    (:mod:`checkpointd.device_image`), its image registered for the apply only once the checksum matched;
-    the parse then runs beside the upload when the upload holds no GIL (:func:`checkpointd.device_image.upload_holds_no_gil`).
+    Every byte is checked against the manifest before anything is parsed or applied. Within a restore
+    into CUDA tensors a mapped file may be uploaded and checksummed on the GPU
+    (:mod:`checkpointd.device_image`), its image registered for the apply only once the checksum matched.
     """
     from . import fastload
 
     rel = layout.join(step_dir, entry.path)
     where = store.display(rel)
-    early: dict[str, Any] = {}
-
-    def parse_early(buf: Any) -> None:
-        """An uncompressed file is parsed while it is checksummed (tensors view the buffer, nothing is copied)."""
-        try:
-            early["content"] = fastload.load_native_in_place(buf, entry.format)
-        except Exception:  # noqa: BLE001 - the plain loader gives the precise error, after verification
-            pass
+    image: list[Any] = []
 
     def on_device(buf: Any) -> int | None:
         """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.device_image`)."""
         got = device_image.verify(buf)
         if got is None:
             return None
-        early["image"], crc = got
-        return crc
+        image.append(got[0])
+        return got[1]
 
     plain = entry.codec in ("none", "", None)
     try:
-        beside = plain and device_image.upload_holds_no_gil()
         buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where,
-                                                          meanwhile=parse_early if plain else None,
-                                                          device_verify=on_device if plain else None,
-                                                          meanwhile_beside_device=beside)
+                                                          device_verify=on_device if plain else None)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"{where} was truncated while being read: {exc}") from exc
-    check_file(where, entry, size, checksum)  # before anything parsed is used, or the image is registered
-    device_image.register(early.pop("image", None))
-    if "content" in early:
-        return early["content"]
-    if not plain:  # (an uncompressed file was parsed above; if that failed, only the plain loader is left)
+    check_file(where, entry, size, checksum)  # before anything is parsed, or the image is registered
+    device_image.register(image[0] if image else None)
+    if not plain:
         try:
             buf = fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{where} could not be decompressed with codec {entry.codec!r}: {exc}") from exc
-        try:
-            return fastload.load_native_in_place(buf, entry.format)
-        except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
-            logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
+    try:
+        return fastload.load_native_in_place(buf, entry.format)
+    except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
+        logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
     return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
 
 
@@ -204,8 +193,13 @@ def rng_of(manifest: Manifest, contents: Mapping[str, Any]) -> Any:
 
 
 # -- applying to live objects ----------------------------------------------------------------------
-def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int) -> None:
-    """Refuse before touching anything when the live state cannot take the stored values."""
+def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int,
+                     saved_classes: Mapping[str, str | None] | None = None) -> None:
+    """Refuse before touching anything when the live state cannot take the stored values.
+
+    ``saved_classes``: the class each entry had when saved (the manifest's ``class_name``): an
+    optimizer, scheduler, scaler or other stateful object of another class is refused.
+    """
     for e in entries:
         if e.name not in values:
             raise StateMismatchError(
@@ -213,6 +207,12 @@ def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int)
                 "register the same state names that were saved"
             )
         v = values[e.name]
+        saved = (saved_classes or {}).get(e.name)
+        if saved and e.kind in ("optimizer", "scheduler", "scaler", "stateful") and saved != type(e.obj).__name__:
+            raise StateMismatchError(
+                f"state[{e.name!r}] is a {type(e.obj).__name__}, but step {step} saved a {saved}; "
+                f"build a {saved} to resume from this checkpoint (its state does not fit a {type(e.obj).__name__})"
+            )
         if e.kind == "module":
             live = unwrap_module(e.obj).state_dict()
             missing = sorted(set(live) - set(v))
@@ -319,17 +319,41 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     # then copied from there); a sharded save's pieces are assembled on the host first
     device = None if sharded else device_image.target_device([e.obj for e in entries])
     with device_image.verifying_on(device):
-        if sharded:
-            from .distributed.assemble import assemble_full_values
+        with malformed_is_damage(store.display(step_dir)):
+            if sharded:
+                from .distributed.assemble import assemble_full_values
 
-            contents = read_step(store, step_dir, manifest, rank=None)
-            values = assemble_full_values(manifest, contents)
-        else:
-            contents = read_step(store, step_dir, manifest)
-            values = values_by_entry(manifest, contents)
-        check_compatible(entries, values, manifest.step)
+                contents = read_step(store, step_dir, manifest, rank=None)
+                values = assemble_full_values(manifest, contents)
+            else:
+                contents = read_step(store, step_dir, manifest)
+                values = values_by_entry(manifest, contents)
+            check_compatible(entries, values, manifest.step,
+                             {name: loc.class_name for name, loc in manifest.entries.items()})
+            rng = rng_of(manifest, contents)
+            if rng is not None:
+                check_rng(rng)  # a malformed RNG state is damage, found before anything is applied
         _apply(entries, values)
     return manifest, contents
+
+
+@contextlib.contextmanager
+def malformed_is_damage(where: str) -> Iterator[None]:
+    """Turn the builtin errors that malformed (verified, but not well-formed) content raises while it is
+    read and interpreted into :class:`CorruptCheckpointError`, so such a step falls back like damage.
+
+    Only around reading and checking, never around applying to live objects: a failure there is not
+    the checkpoint's. Errors of the library (a ``StateMismatchError``) and out-of-memory pass through.
+    """
+    try:
+        yield
+    except (CheckpointError, torch.OutOfMemoryError, MemoryError):
+        raise
+    except (ArithmeticError, AttributeError, EOFError, LookupError, RecursionError, RuntimeError, TypeError,
+            ValueError, zipfile.BadZipFile) as exc:
+        raise CorruptCheckpointError(
+            f"{where} holds malformed content ({type(exc).__name__}: {str(exc)[:300]}); the checkpoint is damaged"
+        ) from exc
 
 
 def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:

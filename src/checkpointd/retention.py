@@ -6,7 +6,8 @@ and every step in flight are never deleted; a committed step is deleted marker f
 (``commit.uncommit_and_remove``), so a crash mid-delete never leaves a "committed" husk, and on local
 targets its large files go to the recycling bin for the next save to overwrite (``recycle``); uncommitted
 directories are removed only below the step just committed (a higher one may belong to a save that
-another rank or process is still writing).
+another rank or process is still writing), and only when they hold no valid marker (a step whose
+manifest no longer matches its marker is damage to inspect, not a leftover).
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ logger = logging.getLogger("checkpointd")
 
 
 def apply_retention(store: Store, policy: RetentionPolicy, just_committed: int, protected: set[int],
-                    metrics_of: Callable[[list[int]], Mapping[int, Mapping[str, Any]]] | None = None) -> list[int]:
+                    metrics_of: Callable[[list[int]], Mapping[int, Mapping[str, Any]]] | None = None,
+                    ignored: frozenset[int] = frozenset()) -> list[int]:
     """Delete what ``policy`` drops under ``store``; returns the committed steps deleted.
 
     Args:
-        just_committed: the step whose commit triggered this pass.
+        just_committed: the step whose commit triggered this pass; never deleted.
         protected: steps in flight (or waiting for upload) that must survive whatever the policy says.
         metrics_of: metrics per committed step, needed only by ``keep_best``.
+        ignored: committed steps neither counted nor deleted (those of the run a restore branched from).
     """
     dirs = commit.list_step_dirs(store)
-    committed = commit.committed_steps(store)
+    all_committed = commit.committed_steps(store)
+    committed = [s for s in all_committed if s not in ignored]
+    protected = protected | {just_committed}
     metrics = metrics_of(committed) if (policy.needs_metrics and metrics_of is not None) else None
     keep = policy.steps_to_keep(committed, metrics)
     newest = max(committed) if committed else None
@@ -45,9 +50,11 @@ def apply_retention(store: Store, policy: RetentionPolicy, just_committed: int, 
             commit.uncommit_and_remove(store, dirs.get(s, layout.step_dir_name(s)),
                                        recycle=retirement.retire if retirement is not None else None)
             deleted.append(s)
-    committed_set = set(committed)
+    # leftovers of crashed saves (no valid marker); a step whose marker is valid but whose manifest no
+    # longer matches it is damaged, not a leftover: it stays for inspection (``checkpointd verify`` names it)
+    keep_dirs = set(all_committed) | set(commit.marked_steps(store))
     for s, name in dirs.items():
-        if s not in committed_set and s not in protected and s < just_committed:
+        if s not in keep_dirs and s not in protected and s < just_committed:
             store.remove_tree(name)
     return deleted
 

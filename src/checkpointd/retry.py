@@ -11,6 +11,11 @@ aiohttp and gcsfs errors by duck typing (class names, ``response`` dicts, ``code
 cloud SDK is imported here. Errors that backends translate (s3fs turns ``ClientError`` into
 ``OSError``) are classified by their chained cause as well.
 
+Who waits on a retrying call can be told: ``RetryPolicy(on_retry=...)`` is called with a
+:class:`RetryEvent` for every transient failure (before the backoff sleep, and once more when the
+budget is spent). The library itself never prints; the ``checkpointd`` command line installs a
+reporter that shows the retries on stderr.
+
 Limits: a call that hangs is not interrupted (a sync call cannot be cancelled safely); bound it in the
 backend (s3fs ``config_kwargs={"read_timeout": ...}``) and the resulting ``TimeoutError`` is retried.
 """
@@ -27,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-__all__ = ["NO_RETRY", "RetryPolicy", "is_transient"]
+__all__ = ["NO_RETRY", "RetryEvent", "RetryPolicy", "is_transient"]
 
 logger = logging.getLogger("checkpointd")
 
@@ -144,6 +149,31 @@ def _http_verdict(exc: BaseException) -> bool | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class RetryEvent:
+    """One transient failure of a retried call, as passed to ``RetryPolicy.on_retry``."""
+
+    describe: str
+    """What is retried, as the caller described it ("list s3://bucket/run"); may be empty."""
+    attempt: int
+    """Attempts made so far, the failed one included (1 for the first failure)."""
+    error: BaseException
+    """The transient error of this attempt."""
+    elapsed_secs: float
+    """Seconds since the first attempt began."""
+    delay_secs: float
+    """Sleep before the next attempt (0 when giving up)."""
+    budget_secs: float
+    """The policy's ``max_elapsed_secs``."""
+    giving_up: bool
+    """True: no further attempt; ``error`` is raised right after this event."""
+
+    @property
+    def remaining_secs(self) -> float:
+        """Seconds of the budget left (0 when giving up)."""
+        return 0.0 if self.giving_up else max(0.0, self.budget_secs - self.elapsed_secs)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """Exponential backoff with full jitter, bounded by total elapsed time.
@@ -176,6 +206,12 @@ class RetryPolicy:
     """Blocking sleep used by :meth:`call` (injectable for tests)."""
     rng: random.Random | None = dataclasses.field(default=None, repr=False, compare=False)
     """Jitter source; ``None`` uses the ``random`` module."""
+    on_retry: Callable[[RetryEvent], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    """Called with a :class:`RetryEvent` on every transient failure: before each backoff sleep, and once
+    with ``giving_up=True`` when the error is about to be raised. Runs on the retrying thread (or event
+    loop), so it must be quick; an exception it raises is logged and ignored. Permanent errors, raised
+    at once, are not reported. The log records of retries carry the same event (``record.retry_event``),
+    so a handler can tell them apart."""
 
     def __post_init__(self) -> None:
         if self.max_elapsed_secs < 0:
@@ -244,20 +280,35 @@ class RetryPolicy:
                 raise exc
             delay = self._delay(attempt - 1)
             out_of_attempts = self.max_attempts is not None and attempt >= self.max_attempts
-            if out_of_attempts or elapsed + delay > self.max_elapsed_secs:
+            giving_up = out_of_attempts or elapsed + delay > self.max_elapsed_secs
+            event = RetryEvent(describe=describe, attempt=attempt, error=exc, elapsed_secs=elapsed,
+                               delay_secs=0.0 if giving_up else delay, budget_secs=self.max_elapsed_secs,
+                               giving_up=giving_up)
+            self._report(event)
+            if giving_up:
                 if attempt > 1:
                     exc.add_note(
                         f"checkpointd: gave up on {describe or 'the operation'} after {attempt} "
                         f"attempts in {elapsed:.1f}s (retry budget {self.max_elapsed_secs:g}s)"
                     )
                     logger.warning(
-                        "giving up on %s after %d attempts in %.1fs: %r", describe, attempt, elapsed, exc
+                        "giving up on %s after %d attempts in %.1fs: %r", describe, attempt, elapsed, exc,
+                        extra={"retry_event": event},
                     )
                 raise exc
             logger.info(
-                "transient error on %s (attempt %d), retrying in %.2fs: %r", describe, attempt, delay, exc
+                "transient error on %s (attempt %d), retrying in %.2fs: %r", describe, attempt, delay, exc,
+                extra={"retry_event": event},
             )
             yield delay  # the value of send(); the for loop's next() then starts the next attempt
+
+    def _report(self, event: RetryEvent) -> None:
+        if self.on_retry is None:
+            return
+        try:
+            self.on_retry(event)
+        except Exception:  # noqa: BLE001 - a reporter must not change what the call does
+            logger.exception("the on_retry callback failed on %s", event.describe or "a retried call")
 
     def _delay(self, retry_index: int) -> float:
         cap = self.backoff_cap(retry_index)

@@ -33,6 +33,25 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+def check_rng(state: Any) -> None:
+    """Raise (TypeError, ValueError, RuntimeError, ...) unless :func:`restore_rng` can put ``state`` back:
+    each part is set on a throwaway generator, so a malformed state is refused before anything of a
+    restore is applied."""
+    if not isinstance(state, dict):
+        raise TypeError(f"the RNG state is a {type(state).__name__}, not a dict")
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((int(version), tuple(int(x) for x in internal), gauss))
+    if "torch" in state:
+        torch.Generator().set_state(state["torch"].cpu())
+    if "numpy" in state and _np is not None:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        _np.random.RandomState().set_state((kind, keys.numpy().astype("uint32"), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state:
+        if not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in state["cuda"]):
+            raise TypeError("the CUDA RNG states are not byte tensors")
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     """Put every RNG back as captured; CUDA states only for the devices both sides have."""
     if "python" in state:

@@ -152,6 +152,14 @@ def blank_file_sizes(files: Sequence[FileContent]) -> list[int]:
     return recycle.sizes_ahead(tensor_bytes)
 
 
+def saved_class_name(e: Entry) -> str | None:
+    """The class recorded for an entry: a module's (PhysicsNeMo naming), an optimizer's or other stateful
+    object's (a restore refuses another class: Adam's state in an SGD optimizer breaks its next step)."""
+    if e.kind == "module":
+        return e.class_name
+    return type(e.obj).__name__ if e.kind in ("optimizer", "scheduler", "scaler", "stateful") else None
+
+
 def entry_locations(entries: Sequence[Entry], files: Sequence[FileContent]) -> dict[str, EntryLocation]:
     """The manifest's map from each registered name to its file and key."""
     by_name = {e.name: e for e in entries}
@@ -159,7 +167,7 @@ def entry_locations(entries: Sequence[Entry], files: Sequence[FileContent]) -> d
     for f in files:
         for name in f.entry_names:
             e = by_name[name]
-            out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=e.class_name)
+            out[name] = EntryLocation(kind=e.kind, file=f.rel_path, key=e.key, class_name=saved_class_name(e))
     return out
 
 

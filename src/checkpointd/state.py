@@ -244,7 +244,8 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def validate_tree(tree: Any, where: str, module_keys: bool = False) -> None:
-    """Raise StateError for anything a weights-only ``torch.load`` could not read back, or a meta tensor."""
+    """Raise StateError for anything a weights-only ``torch.load`` could not read back, and for tensors
+    the snapshot cannot copy as plain bytes: meta, nested, quantized, sparse or other non-strided ones."""
     _validate(tree, (where,), module_keys, depth=0)
 
 
@@ -264,6 +265,8 @@ def _where(path: tuple[Any, ...]) -> str:
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_ATOMS = frozenset((type(None), bool, int, float, str))
+_STRIDED = torch.strided
+_SPARSE_LAYOUTS = frozenset((torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc))
 
 
 def _plain_leaf(v: Any) -> bool:
@@ -271,20 +274,42 @@ def _plain_leaf(v: Any) -> bool:
     :func:`_validate`, which sees every tensor and number of the state at every save)."""
     t = type(v)
     if t in _PLAIN_TENSORS:
-        return not v.is_meta and v.layout == torch.strided
+        return v.layout is _STRIDED and not (v.is_meta or v.is_nested or v.is_quantized)
     return t in _PLAIN_ATOMS
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    """Why the tensor ``t`` cannot be stored, and what to do instead; None when it can."""
+    if t.is_meta:
+        return "is a meta tensor (no data); materialize it (e.g. to_empty + init) before saving"
+    if t.is_nested:
+        return (f"is a nested tensor (layout {t.layout}), which checkpointd cannot store; register plain dense "
+                "tensors instead (e.g. its components from unbind(), or to_padded_tensor() and the lengths)")
+    if t.is_quantized:
+        scheme = t.qscheme()
+        params = ("q_per_channel_scales()/q_per_channel_zero_points()/q_per_channel_axis()"
+                  if scheme in (torch.per_channel_affine, torch.per_channel_symmetric,
+                                torch.per_channel_affine_float_qparams)
+                  else "q_scale()/q_zero_point()")
+        return (f"is a quantized tensor ({t.dtype}, {scheme}), which checkpointd cannot store; dequantize it "
+                f"(dequantize()) or register its int_repr() and {params} as plain tensors and numbers")
+    if t.layout in _SPARSE_LAYOUTS:
+        return (f"is a sparse tensor (layout {t.layout}), which checkpointd cannot store; convert it to a dense "
+                "tensor (to_dense()) before saving, or register its index and value tensors")
+    if t.layout is not _STRIDED:
+        return f"has layout {t.layout}; convert it to a dense tensor (to_dense()) before saving"
+    if type(t) not in _PLAIN_TENSORS and not _is_dtensor(t):
+        return f"is a tensor subclass {type(t).__name__}; register plain tensors"
+    return None
 
 
 def _validate(obj: Any, path: tuple[Any, ...], str_keys: bool, depth: int) -> None:
     if depth > 100:
         raise StateError(f"{_where(path)} nests deeper than 100 levels (a reference cycle?)")
     if isinstance(obj, torch.Tensor):
-        if obj.is_meta:
-            raise StateError(f"{_where(path)} is a meta tensor (no data); materialize it (e.g. to_empty + init) before saving")
-        if obj.layout != torch.strided:
-            raise StateError(f"{_where(path)} has layout {obj.layout}; convert it to a dense tensor (to_dense()) before saving")
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and not _is_dtensor(obj):
-            raise StateError(f"{_where(path)} is a tensor subclass {type(obj).__name__}; register plain tensors")
+        problem = _tensor_problem(obj)
+        if problem is not None:
+            raise StateError(f"{_where(path)} {problem}")
         return
     if isinstance(obj, DeferredScalar):
         return

@@ -23,6 +23,20 @@ What it adds over plain fsspec:
 - **Fresh listings.** Listings and ``info`` on object stores bypass fsspec's listing cache, which can
   be stale when another process (or rank) wrote a marker.
 
+- **Nothing outside the root** (local roots). The root is shared and untrusted: others may plant
+  symbolic links, hard links and fifos in it. Whatever it holds, nothing the Store deletes, truncates
+  or writes over lies outside the root. Paths are opened component by component from the root without
+  following links (:func:`checkpointd.localpaths.open_dir_below`); a path through a link below the
+  root is refused with :class:`LinkedPathError` (a :class:`~checkpointd.errors.CheckpointError` and an
+  ``OSError``), except removing the link itself (``remove``/``remove_tree`` of its own name unlink the
+  link, never its target); files are written as new files (``O_EXCL|O_NOFOLLOW`` after unlinking
+  whatever name was there), never through an existing name. Reads open with ``O_NONBLOCK|O_NOFOLLOW``
+  and accept regular files only: a fifo, socket, device, directory or link where a file should be
+  raises :class:`~checkpointd.errors.CorruptCheckpointError` naming it, never blocks. ``exists``,
+  ``size``, ``is_file`` and ``list_dir`` see a link as an entry of its own (not a file) and nothing
+  behind it. The root itself is the caller's path: links in it are followed. Object stores have no
+  links; their paths are unchanged.
+
 Limits: a crash (SIGKILL) in the middle of a local write leaves a partial file; the commit marker
 protocol (SPEC §2) is what makes that harmless, not this module.
 """
@@ -33,6 +47,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 from collections.abc import Callable
 from types import TracebackType
 from typing import IO, Any, Protocol, TypeVar
@@ -43,12 +58,16 @@ from fsspec.core import url_to_fs
 
 from . import layout
 from . import recycle as recycling
+from . import localpaths as local
+from .errors import CorruptCheckpointError
 from .retry import RetryPolicy
+from .errors import LinkedPathError
 from .storage_writers import _DurableLocalFile, _GuardedFile, _S3MultipartWriter, _s3_remove_tree
 
 __all__ = [
     "DEFAULT_MAX_PARTS_IN_FLIGHT",
     "DEFAULT_PART_SIZE_BYTES",
+    "LinkedPathError",
     "Store",
     "WriteFile",
 ]
@@ -152,6 +171,7 @@ class Store:
 
         Raises:
             NotADirectoryError: the root is a file.
+            LinkedPathError: a component of ``rel`` below the (local) root is a symbolic link.
         """
         self._check_root_is_dir()
         return _open_writer(self.fs, self.path(rel), self, expected_bytes)
@@ -166,41 +186,118 @@ class Store:
             f.write(data)
 
     def makedirs(self, rel: str) -> None:
-        """Create a directory (local disk only; object stores have no directories)."""
+        """Create a directory (local disk only; object stores have no directories).
+
+        Raises:
+            LinkedPathError: a component of ``rel`` below the root is a symbolic link.
+            NotADirectoryError: a component is a file.
+        """
         if self.is_local:
             self._check_root_is_dir()
-            _local_makedirs(self.path(rel), self)
+            os.close(_local_makedirs(self.root, local.rel_parts(rel), self))
 
     # -- reading -------------------------------------------------------------------------------
     def open_read(self, rel: str) -> IO[bytes]:
-        """A binary file for reading; opening is retried, reads are not."""
+        """A binary file for reading; opening is retried, reads are not.
+
+        Raises:
+            CorruptCheckpointError: (local) ``rel`` is not a regular file (a fifo, directory, link...) or
+                lies behind a link below the root.
+        """
+        if self.is_local:
+            return self._retried(self._open_local_read, rel, describe=f"open {self.display(rel)}")
         full = self.path(rel)
         return self._retried(self.fs.open, full, "rb", describe=f"open {self.display(rel)}")
 
     def read_bytes(self, rel: str) -> bytes:
-        """A whole object (ranged reads in parallel on s3fs), retried on transient errors."""
-        full = self.path(rel)
-        return bytes(self._retried(self._cat_file, full, describe=f"read {self.display(rel)}"))
+        """A whole object (ranged reads in parallel on s3fs), retried on transient errors.
 
-    def _cat_file(self, full: str) -> bytes:
+        Raises:
+            CorruptCheckpointError: as :meth:`open_read`.
+        """
+        full = self.path(rel)
+        return bytes(self._retried(self._cat_file, rel, full, describe=f"read {self.display(rel)}"))
+
+    def _cat_file(self, rel: str, full: str) -> bytes:
         if self.is_local:
-            with open(full, "rb") as f:
+            with self._open_local_read(rel) as f:
                 return f.read()
         return self.fs.cat_file(full)
 
+    def _open_local_read(self, rel: str) -> IO[bytes]:
+        """``rel`` opened for reading without following links below the root and without blocking on a
+        fifo; anything but a regular file is refused (one ``fstat``)."""
+        where = self.display(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            if not rel.strip("/"):
+                fd = os.open(self.root, flags)  # the root itself: the caller's path
+            else:
+                dir_fd, name = local.open_parent_below(self.root, rel)
+                try:
+                    fd = os.open(name, flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
+                except OSError as exc:
+                    raise _unreadable(exc, where, dir_fd, name) from exc
+                finally:
+                    os.close(dir_fd)
+        except LinkedPathError as exc:
+            raise CorruptCheckpointError(f"{where} lies behind a link inside the root ({exc}); the checkpoint is damaged") from exc
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptCheckpointError(f"{where} is not a regular file ({local.kind_of(mode)}); the checkpoint is damaged")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
     def exists(self, rel: str) -> bool:
-        """True/False from a definite answer; transient errors are retried, then raised, never False."""
+        """True/False from a definite answer; transient errors are retried, then raised, never False.
+
+        On a local root a link is an entry (it exists) and nothing behind it does."""
         return self._retried(self._exists_once, rel, describe=f"check {self.display(rel)}")
 
     def _exists_once(self, rel: str) -> bool:
         try:
-            self._info(self.path(rel))
+            if self.is_local:
+                self._lstat(rel)
+            else:
+                self._info(self.path(rel))
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False
 
     def size(self, rel: str) -> int:
+        """Bytes of ``rel``; on a local root a link's own size (never followed), and nothing behind a link
+        (FileNotFoundError)."""
+        if self.is_local:
+            return self._retried(lambda: int(self._lstat(rel).st_size), describe=f"size {self.display(rel)}")
         return self._retried(lambda: int(self._info(self.path(rel))["size"]), describe=f"size {self.display(rel)}")
+
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symbolic link planted in a local root (always False on object stores, no
+        request made). Such an entry is removed as itself (``remove_tree``), never descended into."""
+        if not self.is_local or not rel.strip("/"):
+            return False
+        try:
+            return stat.S_ISLNK(self._lstat(rel).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def _lstat(self, rel: str) -> os.stat_result:
+        """``lstat`` of ``rel`` below the local root, its directories opened without following links; a
+        path through a link is not in the root (FileNotFoundError)."""
+        if not rel.strip("/"):
+            return os.stat(self.root)
+        try:
+            dir_fd, name = local.open_parent_below(self.root, rel)
+        except LinkedPathError as exc:
+            raise FileNotFoundError(errno.ENOENT, f"{self.display(rel)} lies behind a link: not in the root") from exc
+        try:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.close(dir_fd)
 
     def list_dir(self, rel: str = "") -> list[str]:
         """Base names of the entries directly under ``rel`` ([] when it does not exist).
@@ -213,6 +310,8 @@ class Store:
         return self._retried(self._list_dir_once, rel, describe=f"list {self.display(rel)}")
 
     def _list_dir_once(self, rel: str) -> list[str]:
+        if self.is_local:
+            return self._list_local(rel)
         full = self.path(rel)
         try:
             entries = self.fs.ls(full, detail=True, refresh=True)
@@ -228,11 +327,30 @@ class Store:
             names.add(name.rsplit("/", 1)[-1])
         return sorted(names)
 
+    def _list_local(self, rel: str) -> list[str]:
+        """A local listing through descriptors: a link below the root lists nothing."""
+        try:
+            fd = local.open_dir_below(self.root, local.rel_parts(rel))
+        except FileNotFoundError:
+            return []
+        except LinkedPathError:
+            return []
+        except NotADirectoryError as exc:
+            raise self._not_a_dir(rel) from exc
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+
     def is_file(self, rel: str = "") -> bool:
+        """Whether ``rel`` is a file; on a local root only a regular file is (a link below the root, a fifo
+        or a device is not)."""
         return self._retried(self._is_file_once, rel, describe=f"check {self.display(rel)}")
 
     def _is_file_once(self, rel: str) -> bool:
         try:
+            if self.is_local:
+                return stat.S_ISREG(self._lstat(rel).st_mode)
             return self._info(self.path(rel))["type"] == "file"
         except (FileNotFoundError, NotADirectoryError):
             return False
@@ -244,11 +362,21 @@ class Store:
 
     # -- deleting ------------------------------------------------------------------------------
     def remove_tree(self, rel: str) -> None:
-        """Delete ``rel`` and everything under it; a missing path is not an error."""
+        """Delete ``rel`` and everything under it; a missing path is not an error.
+
+        On a local root nothing is followed: a link (at ``rel`` or under it) is unlinked itself, never
+        its target.
+
+        Raises:
+            LinkedPathError: a component of ``rel`` above its last one is a symbolic link.
+        """
         self._retried(self._remove_tree_once, rel, describe=f"remove {self.display(rel)}")
 
     def _remove_tree_once(self, rel: str) -> None:
         full = self.path(rel)
+        if self.is_local:
+            self._remove_local(rel, tree=True)
+            return
         if not self.is_local:
             self.fs.invalidate_cache(full)
         if _is_s3(self.fs):
@@ -260,14 +388,46 @@ class Store:
             pass
 
     def remove(self, rel: str) -> None:
-        """Delete one file; a missing file is not an error."""
+        """Delete one file; a missing file is not an error. On a local root a link is unlinked itself.
+
+        Raises:
+            LinkedPathError: a component of ``rel`` above its last one is a symbolic link.
+        """
         self._retried(self._remove_once, rel, describe=f"remove {self.display(rel)}")
 
     def _remove_once(self, rel: str) -> None:
+        if self.is_local:
+            self._remove_local(rel, tree=False)
+            return
         try:
             self.fs.rm_file(self.path(rel))
         except FileNotFoundError:
             pass
+
+    def _remove_local(self, rel: str, tree: bool) -> None:
+        parts = local.rel_parts(rel)
+        if not parts:  # the root itself (the caller's path)
+            if tree and os.path.isdir(self.root) and not os.path.islink(self.root):
+                parent = os.open(os.path.dirname(self.root) or "/", os.O_RDONLY)
+                try:
+                    local.remove_tree_at(parent, os.path.basename(self.root))
+                finally:
+                    os.close(parent)
+            return
+        try:
+            dir_fd = local.open_dir_below(self.root, parts[:-1])
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            if tree:
+                local.remove_tree_at(dir_fd, parts[-1])
+            else:
+                try:
+                    os.unlink(parts[-1], dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(dir_fd)
 
     # -- helpers -------------------------------------------------------------------------------
     def _retried(self, fn: Callable[..., T], *args: Any, describe: str) -> T:
@@ -312,18 +472,37 @@ def _open_writer(fs: AbstractFileSystem, full: str, store: Store, expected_bytes
         inner = target._strip_protocol(full)
         return wrap(full, lambda: _open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
     if _is_local(fs):
-        _local_makedirs(os.path.dirname(full), store)
-        return _DurableLocalFile(full, recycle_from=recycling.bin_for(store) if expected_bytes else None,
-                                 expected_bytes=expected_bytes)
+        root = store.root.rstrip("/")
+        parts = local.rel_parts(full[len(root) + 1:]) if full.startswith(root + "/") else []
+        if not parts:  # not below the root (a wrapped filesystem's own path): below its own directory
+            root, parts = os.path.dirname(full) or ".", [os.path.basename(full)]
+        recycle_from = recycling.bin_for(store) if expected_bytes else None
+        dir_fd = _local_makedirs(root or "/", parts[:-1], store)
+        return _DurableLocalFile(dir_fd, parts[-1], full, recycle_from=recycle_from, expected_bytes=expected_bytes)
     if _is_s3(fs):
         return _S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
     return _GuardedFile(fs, full)
 
 
-def _local_makedirs(path: str, store: Store) -> None:
+def _local_makedirs(root: str, parts: list[str], store: Store) -> int:
+    """The directory ``root/parts...`` (made where missing), opened without following links below the
+    root; the caller closes the descriptor."""
     try:
-        os.makedirs(path, exist_ok=True)
+        return local.open_dir_below(root, parts, create=True)
     except (FileExistsError, NotADirectoryError) as exc:
         if os.path.isfile(store.root):
             raise store._not_a_dir("") from exc
-        raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {path}: a file is in the way") from exc
+        if isinstance(exc, NotADirectoryError) and exc.strerror:
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: {exc.strerror}") from exc
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: a file is in the way") from exc
+
+
+def _unreadable(exc: OSError, where: str, dir_fd: int, name: str) -> Exception:
+    """What opening ``name`` for reading raised, as damage where it is not a regular file."""
+    if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EOPNOTSUPP):
+        return exc
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        return exc
+    return CorruptCheckpointError(f"{where} is not a regular file ({local.kind_of(mode)}); the checkpoint is damaged")

@@ -8,6 +8,13 @@ only on ``close()`` and throw the partial data away on ``abort()``:
 - ``_S3MultipartWriter``: parallel multipart upload on s3fs's event loop; the object appears only when
   the upload completes, ``abort`` aborts the multipart upload.
 - ``_GuardedFile``: any other fsspec file; ``abort`` discards or deletes it.
+
+Local paths below a checkpoint root are opened one component at a time from the root, never
+following a link (:func:`checkpointd.localpaths.open_dir_below`): the root is shared, and whatever links others plant in it,
+nothing the library deletes, truncates or writes over lies outside it. A file is never written through
+an existing name: whatever is there (the checkpoint's own leftover, or something planted) is unlinked
+and a new file created with ``O_EXCL|O_NOFOLLOW`` (:func:`checkpointd.localpaths.create_file`), or a retired file taken from
+the recycling bin is checked on its open descriptor (a regular file with one link) before a byte goes in.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from . import recycle
+from .localpaths import create_file, open_parent_below
 from .retry import RetryPolicy
 
 logger = logging.getLogger("checkpointd")
@@ -90,16 +98,34 @@ class _WriterBase:
 class _DurableLocalFile(_WriterBase):
     """A local file whose ``close()`` fsyncs the data and its directory entry.
 
-    ``recycle_from``: a recycling bin (:mod:`checkpointd.recycle`); a retired file from it (about
-    ``expected_bytes`` large) becomes ``path``, is written over from its start and cut to the bytes
-    written at ``close()``.
+    ``dir_fd`` (owned from then on) is the directory, opened without following links
+    (:func:`checkpointd.localpaths.open_dir_below`); ``name`` the file's name in it; ``where`` its path for messages. The file is
+    new (:func:`checkpointd.localpaths.create_file`), or, with ``recycle_from`` (a recycling bin, :mod:`checkpointd.recycle`), a
+    retired file about ``expected_bytes`` large taken from it, checked on its descriptor, written over
+    from its start and cut to the bytes written at ``close()``.
     """
 
-    def __init__(self, path: str, recycle_from: str | None = None, expected_bytes: int = 0) -> None:
-        self._path = path
-        self._recycled = recycle_from is not None and recycle.take(recycle_from, path, expected_bytes)
-        self._f = open(path, "r+b" if self._recycled else "wb", buffering=0)
+    def __init__(self, dir_fd: int, name: str, where: str, recycle_from: str | None = None,
+                 expected_bytes: int = 0) -> None:
+        self._dir_fd = dir_fd
+        self._name = name
+        self._path = where
+        try:
+            fd = recycle.take_open(recycle_from, dir_fd, name, expected_bytes) if recycle_from is not None else None
+            self._recycled = fd is not None
+            if fd is None:
+                fd = create_file(dir_fd, name, where)
+            self._f = open(fd, "r+b" if self._recycled else "wb", buffering=0)
+        except BaseException:
+            self._close_dir()
+            raise
         self._pos = 0
+
+    @classmethod
+    def below(cls, root: str, rel: str, recycle_from: str | None = None, expected_bytes: int = 0) -> "_DurableLocalFile":
+        """The file ``rel`` below ``root``; missing directories are made, links below the root refused."""
+        dir_fd, name = open_parent_below(root, rel, create=True)
+        return cls(dir_fd, name, os.path.join(root, rel), recycle_from, expected_bytes)
 
     @property
     def recycled(self) -> bool:
@@ -132,18 +158,28 @@ class _DurableLocalFile(_WriterBase):
             self.abort()
             raise
         self._f.close()
-        dir_fd = os.open(os.path.dirname(self._path) or ".", os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(self._dir_fd)
         finally:
-            os.close(dir_fd)
+            self._close_dir()
 
     def abort(self) -> None:
         """Close without syncing and unlink the partial file (best effort)."""
         with contextlib.suppress(OSError):
             self._f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        if self._dir_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self._name, dir_fd=self._dir_fd)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dir_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def __del__(self) -> None:
+        self._close_dir()
 
 
 class _GuardedFile(_WriterBase):

@@ -28,12 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import commit, layout
 from .checksum import ChecksumWriter
-from .errors import (
-    CheckpointTimeoutError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-)
+from .errors import NOT_VERIFIED, CheckpointTimeoutError, CorruptCheckpointError
 from .retention import MetricsCache, apply_retention
 from .manifest import FileEntry
 from .policy import RetentionPolicy
@@ -46,7 +41,7 @@ logger = logging.getLogger("checkpointd")
 
 COPY_CHUNK_BYTES = 8 * 2**20
 
-_NOT_VERIFIED = (CorruptCheckpointError, IncompleteCheckpointError, ManifestError)
+
 
 
 class Uploader(SerialWorker):
@@ -75,6 +70,8 @@ class Uploader(SerialWorker):
         self._busy = False
         self._failures: list[tuple[int, BaseException]] = []
         self._metrics = MetricsCache(remote)
+        self.before_marker: Callable[[], None] | None = None
+        """Run just before each remote commit marker is written (the remote root's lease check); may raise."""
         self.uploaded: list[int] = []
         """Steps uploaded by this uploader, in order."""
         self._start()
@@ -86,12 +83,17 @@ class Uploader(SerialWorker):
                 self._queue.append(step)
             self._cv.notify_all()
 
-    def resume_pending(self) -> list[int]:
-        """Queue local committed steps newer than the remote's newest (a crash before their upload)."""
+    def resume_pending(self, before_first: Callable[[], None] | None = None) -> list[int]:
+        """Queue local committed steps newer than the remote's newest (a crash before their upload).
+
+        ``before_first()`` runs once before anything is queued (taking the roots' leases), if anything is.
+        """
         local_steps = commit.committed_steps(self.local)
         remote_steps = commit.committed_steps(self.remote)
         newest_remote = remote_steps[-1] if remote_steps else -1
         todo = [s for s in local_steps if s > newest_remote]
+        if todo and before_first is not None:
+            before_first()
         for s in todo:
             logger.info("checkpointd: step %d is committed locally but not uploaded; uploading it", s)
             self.submit(s)
@@ -190,6 +192,8 @@ class Uploader(SerialWorker):
             f.result()  # re-raises the first failure; the step stays uncommitted remotely
         # IMPORTANT: the same order as a save: every data file is durable before the manifest, the marker last.
         self.remote.write_bytes(layout.join(step_dir, layout.MANIFEST_NAME), manifest_bytes)
+        if self.before_marker is not None:
+            self.before_marker()
         self.remote.write_bytes(layout.join(step_dir, layout.COMMIT_MARKER_NAME), marker_bytes)
 
     def _copy_file(self, step_dir: str, entry: FileEntry) -> None:
@@ -218,28 +222,36 @@ class Uploader(SerialWorker):
         apply_retention(self.remote, self.retention, just_uploaded, self.pending_steps() - {just_uploaded}, self._metrics)
 
 
-def restore_latest_two_tier(local: Store, remote: Store, restore_from: Callable[[int, Store], None]) -> int | None:
+def restore_latest_two_tier(local: Store, remote: Store, restore_from: Callable[[int, Store], None],
+                            quarantine: Callable[[list[tuple[Store, int, BaseException]]], None]) -> int | None:
     """Restore the newest step committed on either tier: the local copy if it verifies, else the remote.
+
+    A copy that fails verification is skipped with a warning; once a copy restored, the ones that
+    failed are taken out of their tier's checkpoints (``quarantine``).
 
     Raises:
         CorruptCheckpointError: committed steps exist but no copy of any of them verifies.
     """
-    local_steps = set(commit.committed_steps(local))
-    remote_steps = set(commit.committed_steps(remote))
+    local_steps = set(commit.marked_steps(local))
+    remote_steps = set(commit.marked_steps(remote))
     steps = sorted(local_steps | remote_steps, reverse=True)
     if not steps:
         return None
     failures: list[str] = []
+    damaged: list[tuple[Store, int, BaseException]] = []
     for step in steps:
         copies = [s for s, has in ((local, step in local_steps), (remote, step in remote_steps)) if has]
         for store in copies:
             try:
                 restore_from(step, store)
-                return step
-            except _NOT_VERIFIED as exc:
+            except NOT_VERIFIED as exc:
                 warnings.warn(f"checkpointd: skipping step {step} at {store.display()}, it does not verify: {exc}",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=4)
                 failures.append(f"step {step} at {store.display()}: {exc}")
+                damaged.append((store, step, exc))
+                continue
+            quarantine(damaged)
+            return step
     raise CorruptCheckpointError(
         f"{local.display()} and {remote.display()} hold {len(steps)} committed step(s) but no copy verifies: "
         + "; ".join(failures[:5])

@@ -95,8 +95,9 @@ def verify_file(store: Store, step_dir: str, entry: FileEntry, on_bytes: Progres
     return reader.nbytes
 
 
-def deep_check_file(store: Store, step_dir: str, entry: FileEntry) -> None:
-    """Decode one (already checksummed) file and read every record through the safe unpickler.
+def deep_check_file(store: Store, step_dir: str, entry: FileEntry) -> Any:
+    """Decode one (already checksummed) file and read every record through the safe unpickler; returns
+    its content.
 
     Raises:
         CorruptCheckpointError: a chunk or record fails its own checksum, or the container is damaged.
@@ -107,7 +108,7 @@ def deep_check_file(store: Store, step_dir: str, entry: FileEntry) -> None:
     rel = layout.join(step_dir, entry.path)
     data = store.read_bytes(rel)
     with CheckpointFile(io.BytesIO(data), codec=entry.codec, fmt=entry.format, where=store.display(rel)) as f:
-        f.load()
+        return f.load()
 
 
 def verify_step(store: Store, step_dir: str, *, deep: bool = False, on_bytes: ProgressFn | None = None) -> StepReport:
@@ -123,28 +124,43 @@ def verify_step(store: Store, step_dir: str, *, deep: bool = False, on_bytes: Pr
         report.errors.append(str(exc))
         return report
     report.step = manifest.step
+    contents: dict[str, Any] = {}
     for entry in manifest.files:
         try:
             report.nbytes += verify_file(store, step_dir, entry, on_bytes)
             if deep:
-                deep_check_file(store, step_dir, entry)
+                contents[entry.path] = deep_check_file(store, step_dir, entry)
         except CheckpointError as exc:
             report.errors.append(str(exc))
         except OSError as exc:
             report.errors.append(f"{store.display(layout.join(step_dir, entry.path))} cannot be read: {exc}")
         report.files += 1
+    if deep and not report.errors:
+        report.errors.extend(_missing_entries(store, step_dir, manifest, contents))
     report.warnings.extend(_unlisted_files(store, step_dir, manifest))
     report.ok = not report.errors
     return report
 
 
 def verify_root(store: Store, *, deep: bool = False, on_bytes: ProgressFn | None = None) -> list[StepReport]:
-    """Verify every committed step under a root, ascending. Uncommitted directories are skipped."""
-    return [verify_step(store, layout.step_dir_name(s), deep=deep, on_bytes=on_bytes) for s in commit.committed_steps(store)]
+    """Verify every step under a root that has a valid commit marker, ascending: a step whose manifest no
+    longer matches its marker is reported as failing. Directories without a valid marker (uncommitted
+    leftovers, a save in progress) are skipped."""
+    return [verify_step(store, layout.step_dir_name(s), deep=deep, on_bytes=on_bytes) for s in commit.marked_steps(store)]
 
 
 def stored_bytes(manifest: Manifest) -> int:
     return sum(f.size for f in manifest.files)
+
+
+def _missing_entries(store: Store, step_dir: str, manifest: Manifest, contents: dict[str, Any]) -> list[str]:
+    """Each state entry the manifest places under a key of a file that the file does not hold."""
+    out = []
+    for name, loc in manifest.entries.items():
+        content = contents.get(loc.file)
+        if loc.key is not None and not (isinstance(content, dict) and loc.key in content):
+            out.append(f"{store.display(layout.join(step_dir, loc.file))} has no key {loc.key!r} for state entry {name!r}")
+    return out
 
 
 def _unlisted_files(store: Store, step_dir: str, manifest: Manifest) -> list[str]:

@@ -89,6 +89,8 @@ class BackgroundWriter(SerialWorker):
         self.codec = codec
         self.retry = retry if retry is not None else getattr(store, "retry", None)
         self._pool = ThreadPoolExecutor(max_workers=max(1, file_threads), thread_name_prefix="checkpointd-file")
+        self.before_marker: Callable[[], None] | None = None
+        """Run just before each commit marker is written (the root lease's check); may raise."""
         self._start()
 
     def submit(self, job: SaveJob) -> Future:
@@ -128,7 +130,7 @@ class BackgroundWriter(SerialWorker):
         if job.commit_hook is not None:
             job.commit_hook(job)
         else:
-            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, job.manifest)
+            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, job.manifest, self.before_marker)
         t3 = time.perf_counter()
         job.timings["commit_secs"] = t3 - t2
         if job.after_commit is not None:
@@ -384,7 +386,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fast, recycle_from=recycle.bin_for(store))
+                                 fast=fast, recycle_from=recycle.bin_for(store), root=store.root)
     fjob.recycled = result.recycled
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)

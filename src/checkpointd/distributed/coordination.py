@@ -10,8 +10,10 @@ its own:
 
 The commit protocol of one save, on every rank's committer thread, in step order:
 
-1. ``before_write`` (rank 0 also clears a leftover step directory), then an all-gather of "ready":
-   nobody writes into the directory before rank 0 cleared it;
+1. ``before_write`` (rank 0 also clears a leftover step directory), then an all-gather of "ready" with
+   each rank's step: nobody writes into the directory before rank 0 cleared it, and ranks that hand
+   different steps to the protocol (a rank's ``maybe_save`` raised after the ranks agreed to save) all
+   fail that save instead of writing one step's files under another's manifest;
 2. each rank writes its own files, then an all-gather of (ok or error, FileEntry list, block records);
 3. rank 0, if every rank is ok, writes ``manifest.json`` listing every rank's files and then
    ``COMMITTED`` (IMPORTANT: only after every rank reported its files durable), applies retention,
@@ -21,27 +23,43 @@ The commit protocol of one save, on every rank's committer thread, in step order
 
 A rank that dies or never reaches the protocol makes the others fail at the group timeout
 (``dist_timeout_secs``), not hang forever.
+
+Before any of that, on the training thread, :meth:`Coordinator.settle` makes a save that fails on one
+rank (bad state) fail on every rank in the same ``maybe_save`` call: one all-reduce of three integers
+on ``control`` per check; only when a rank failed or the steps differ do the ranks exchange messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
-from .. import commit
-from ..errors import CheckpointError
+from .. import commit, layout
+from ..errors import CheckpointError, StateError
+from ..manifest import Manifest
 from ..writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
 
 class RankFailedError(CheckpointError):
-    """A save failed on one or more ranks; nothing was committed."""
+    """A save failed on one or more ranks (or the ranks could not coordinate); nothing was committed."""
+
+
+class PeerStateError(RankFailedError, StateError):
+    """Another rank's registered state cannot be saved; this rank's ``maybe_save`` raises it too."""
+
+
+Failure = tuple[int, int, tuple[bool, str] | None]
+"""One rank's part of a failed :meth:`Coordinator.settle`: (rank, step, (is a StateError, message) or None)."""
 
 
 class Coordinator:
@@ -64,6 +82,16 @@ class Coordinator:
     def is_rank0(self) -> bool:
         return self.rank == 0
 
+    @contextlib.contextmanager
+    def _coordinating(self, what: str) -> Iterator[None]:
+        """Turn a failed collective on the training thread into a CheckpointError that says what to check."""
+        try:
+            yield
+        except RuntimeError as exc:  # gloo timeouts and closed connections (DistError derives from it)
+            raise RankFailedError(
+                f"rank {self.rank}: {what} with the other ranks failed: {exc}. A rank died, hangs, or did not call "
+                f"maybe_save/restore with the same steps within dist_timeout_secs={self.timeout_secs:g}") from exc
+
     def all_gather(self, obj: Any, *, group: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=group)
@@ -76,11 +104,30 @@ class Coordinator:
 
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (training thread only)."""
-        return self.broadcast(value, group=self.control)
+        with self._coordinating("agreeing on rank 0's decision"):
+            return self.broadcast(value, group=self.control)
 
     def gather_control(self, value: Any) -> list[Any]:
         """Every rank's ``value`` on every rank (training thread only)."""
-        return self.all_gather(value, group=self.control)
+        with self._coordinating("exchanging results"):
+            return self.all_gather(value, group=self.control)
+
+    def settle(self, step: int, error: BaseException | None) -> list[Failure]:
+        """Whether every rank got through one part of the save of ``step`` (training thread only).
+
+        Returns [] when every rank passed ``error=None`` with the same ``step``; otherwise every rank
+        gets every rank's (rank, step, error description), the same list on each. Costs one all-reduce
+        of three integers; the all-gather of the descriptions runs only when something failed.
+        """
+        flags = torch.tensor([int(error is not None), step, -step], dtype=torch.int64)
+        with self._coordinating(f"checking that the save of step {step} succeeded on every rank"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        failed, highest, lowest = int(flags[0]), int(flags[1]), -int(flags[2])
+        if not failed and highest == lowest:
+            return []
+        mine = None if error is None else (isinstance(error, StateError), _describe(error))
+        reports = self.gather_control((step, mine))
+        return [(r, s, e) for r, (s, e) in enumerate(reports)]
 
     def close(self) -> None:
         for g in (self.control, self.commit):
@@ -107,6 +154,21 @@ class DistributedWriter(BackgroundWriter):
         self.merge_manifest = merge_manifest
         super().__init__(store, codec, file_threads=file_threads)
 
+    def abandon(self, step: int, error: BaseException) -> Future:
+        """Take part in the commit protocol of ``step`` reporting ``error``; returns that job's future (it fails).
+
+        For a ``maybe_save`` that raised on this rank after the ranks agreed to save ``step`` (its staging
+        failed, say): the other ranks' save of ``step`` then fails at once, naming this rank and ``error``,
+        instead of pairing with this rank's next save (which the step check of the protocol refuses).
+        """
+        def fail() -> None:
+            raise error
+
+        manifest = Manifest(step=step, time=time.time(), world_size=self.coord.world_size, mode="", codec="",
+                            library_version="", torch_version="")
+        return self.submit(SaveJob(step=step, step_dir=layout.step_dir_name(step), files=[], manifest=manifest,
+                                   before_write=fail, after_files=lambda: None))
+
     def _process(self, job: SaveJob) -> None:
         coord, group = self.coord, self.coord.commit
         t0 = time.perf_counter()
@@ -118,8 +180,12 @@ class DistributedWriter(BackgroundWriter):
         except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
             error = exc
         job.timings["stage_wait_secs"] = time.perf_counter() - t0
-        ready = coord.all_gather(None if error is None else _describe(error), group=group)
-        if error is None and all(r is None for r in ready):
+        ready = coord.all_gather((job.step, None if error is None else _describe(error)), group=group)
+        if len({s for s, _ in ready}) > 1 and error is None:
+            error = RankFailedError(f"the ranks handed different steps to the commit protocol "
+                                    f"({', '.join(f'rank {r}: step {s}' for r, (s, _) in enumerate(ready))}): a rank's "
+                                    "maybe_save raised after the ranks agreed to save; every rank must save the same steps")
+        if error is None and all(e is None for _, e in ready):
             error = self.write_files(job)
         else:
             job.after_files()
@@ -146,7 +212,7 @@ class DistributedWriter(BackgroundWriter):
         try:
             manifest = self.merge_manifest(job, reports)
             # IMPORTANT: commit only after every rank reported its files durable (reports above).
-            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, manifest)
+            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, manifest, self.before_marker)
             job.manifest = manifest
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, "error": f"rank 0 could not commit: {_describe(exc)}"}

@@ -6,7 +6,8 @@ The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is i
 - builds this rank's files with :meth:`build_files` instead of ``state.build_files``:
   full mode gathers on every rank (collective, training thread) and rank 0 gets the PhysicsNeMo files
   of SPEC §3, the other ranks one small RNG file each (``rng/rank-0000r.pt``); sharded mode gives every
-  rank one file with its own blocks (layout in ``assemble.py``);
+  rank one file with its own blocks (layout in ``assemble.py``). When any rank cannot (bad state),
+  every rank raises from that same call and the ranks stay in step (:meth:`DistributedRuntime.build_files`);
 - writes through :class:`~checkpointd.distributed.coordination.DistributedWriter` (rank 0 commits after
   every rank reported success; :meth:`merge_manifest` lists every rank's files);
 - restores with :meth:`restore_step`: every rank reads and verifies the files it needs (full mode: rank 0's
@@ -24,19 +25,21 @@ from __future__ import annotations
 
 import logging
 import warnings
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
 
 from .. import commit, restore as restore_mod
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateMismatchError
+from ..errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
+                      StateMismatchError)
 from ..manifest import EntryLocation, FileEntry, Manifest
 from ..rng import restore_rng
 from ..state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
 from ..storage import Store
 from ..writer import SaveJob
 from .assemble import shard_file_name, sharded_values
-from .coordination import Coordinator, DistributedWriter
+from .coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
 from .sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
 from .state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
                           owner_module, plan_module, plan_optimizer)
@@ -52,6 +55,31 @@ def rng_file_name(rank: int, codec_suffix: str = "") -> str:
     return f"{RNG_DIR}/rank-{rank:05d}.pt{codec_suffix}"
 
 
+def _entry_tree(e: Entry) -> Any:
+    """An entry's own state (no communication): what its ``state_dict()`` returns, or the tensor or data."""
+    return _as_state_error(e, "taking its state dict", lambda: entry_state(e))
+
+
+def _state_failure(exc: Exception, step: int) -> CheckpointError:
+    """``exc`` as the CheckpointError this rank raises for the save of ``step`` (a StateError unless it is one already)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    failure = StateError(f"this rank could not build its files for step {step}: {type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
+def _as_state_error(e: Entry, doing: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with an exception that is not a CheckpointError raised as a StateError naming the entry."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code (state_dict, hooks): say which entry
+        raise StateError(f"state[{e.name!r}] ({type(e.obj).__name__}): {doing} raised {type(exc).__name__}: {exc}; "
+                         "fix it (or leave the entry out of state) and save again") from exc
+
+
 class DistributedRuntime:
     """Per-manager distributed state: the coordinator, the mode and the optimizer -> module map."""
 
@@ -65,13 +93,21 @@ class DistributedRuntime:
         self.owner = {e.name: owner_module(e.obj, modules) for e in entries if e.kind == "optimizer"}
         self.local_states = LocalStates(entries, self.owner)  # sharded saves: state dicts without the full walk
         self._split_cache: dict[str, dict[Any, Any]] = {e.name: {} for e in entries}  # DTensor records by path
+        self.writer: DistributedWriter | None = None
 
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
 
     def make_writer(self, store: Store, codec: Any, file_threads: int) -> DistributedWriter:
-        return DistributedWriter(store, codec, self.coord, file_threads, self.merge_manifest)
+        self.writer = DistributedWriter(store, codec, self.coord, file_threads, self.merge_manifest)
+        return self.writer
+
+    def abandon(self, step: int, error: BaseException) -> Future:
+        """This rank's ``maybe_save(step)`` failed after :meth:`build_files` returned (staging): fail the save
+        of ``step`` on every rank now (see :meth:`DistributedWriter.abandon`); returns this rank's job future."""
+        assert self.writer is not None, "make_writer() comes first"
+        return self.writer.abandon(step, error)
 
     def close(self) -> None:
         self.coord.close()
@@ -101,24 +137,107 @@ class DistributedRuntime:
                     mdlus_members: Callable[[Any], dict[str, bytes]] | None) -> tuple[list[FileContent], dict[str, EntryLocation] | None, dict[str, Any]]:
         """This rank's files, the manifest's entry map (None: derive it from the files) and ``extra``.
 
-        Collective in full mode (every rank gathers, in registration order).
+        Collective on every rank, in registration order. When any rank cannot build its files (bad state,
+        a ``state_dict()`` that raises), every rank raises in this same call and nothing is written: that
+        rank its own error (a StateError naming the entry and key), the others a
+        :class:`~checkpointd.distributed.coordination.PeerStateError` (a StateError) or
+        :class:`~checkpointd.distributed.coordination.RankFailedError` naming the rank and its error.
+        The ranks stay in step: the next save proceeds as usual.
+
+        How (one all-reduce of three integers on the manager's ``control`` group per check, see
+        :meth:`Coordinator.settle`): sharded mode builds locally and checks once. Full mode first takes
+        the state of every entry that is not a module or optimizer (user code: ``state_dict()`` of
+        schedulers and other objects, plain data) and validates it, checks, and only then gathers
+        (collectives on the training process group), builds the files and checks again. Why the first
+        check: a rank that raised before a gather would leave the others inside that collective, which
+        then pairs with whatever collective that rank issues next (the next forward's FSDP all-gather:
+        gloo aborts the process, NCCL may hang or mix up data). A module or optimizer whose state dict
+        raises inside PyTorch's gather on one rank only is not covered: the others fail at the training
+        group's timeout.
         """
-        base = {"distributed": {"world_size": self.world_size, "backend": str(torch.distributed.get_backend())}}
         if self.mode == "full":
-            trees = {e.name: self._state_of(e, True) for e in self.entries}
+            return self._build_full(step, metrics, rng, codec_suffix, mdlus_members)
+        built: Any = None
+        error: BaseException | None = None
+        try:
+            built = self._build_sharded(step, rng, codec_suffix)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone goes on
+            error = _state_failure(exc, step)
+        self._settle(step, error)
+        return built
+
+    def _build_full(self, step: int, metrics: dict[str, Any], rng: dict[str, Any], codec_suffix: str,
+                    mdlus_members: Callable[[Any], dict[str, bytes]] | None) -> tuple[list[FileContent], None, dict[str, Any]]:
+        base = {"distributed": {"world_size": self.world_size, "backend": str(torch.distributed.get_backend())}}
+        own = [e for e in self.entries if e.kind not in ("module", "optimizer")]
+        local: dict[str, Any] = {}
+        error: BaseException | None = None
+        try:
+            for e in own:  # local: no rank enters a gather before every rank has these
+                local[e.name] = _entry_tree(e)
+                validate_tree(local[e.name], f"state[{e.name!r}]")
+        except Exception as exc:  # noqa: BLE001
+            error = _state_failure(exc, step)
+        if own:
+            self._settle(step, error)
+        built: Any = None
+        try:
+            trees = {e.name: _as_state_error(e, "gathering its state", lambda e=e: self._gathered(e, local))
+                     for e in self.entries}
             rng_files = {str(r): rng_file_name(r, codec_suffix) for r in range(1, self.world_size)}
             if self.is_rank0:
                 files = build_files(self.entries, step, metrics, rng, codec_suffix, mdlus_members=mdlus_members,
                                     state_of=lambda e: trees[e.name])
-                return files, None, {**base, "rng_file": files[-1].rel_path, "rng_files": rng_files}
-            tree = {RNG_KEY: rng, EPOCH_KEY: step}
-            return [FileContent(rel_path=rng_file_name(self.rank, codec_suffix), format="pt", tree=tree, rank=self.rank)], None, base
+                built = files, None, {**base, "rng_file": files[-1].rel_path, "rng_files": rng_files}
+            else:  # rank 0's trees are the ones written; the others' must be as valid (the same state)
+                for e in self.entries:
+                    if e.kind in ("module", "optimizer"):
+                        validate_tree(trees[e.name], f"state[{e.name!r}]", module_keys=e.kind == "module")
+                tree = {RNG_KEY: rng, EPOCH_KEY: step}
+                rng_file = FileContent(rel_path=rng_file_name(self.rank, codec_suffix), format="pt", tree=tree, rank=self.rank)
+                built = [rng_file], None, base
+        except Exception as exc:  # noqa: BLE001
+            error = _state_failure(exc, step)
+        self._settle(step, error)
+        return built
+
+    def _gathered(self, e: Entry, local: dict[str, Any]) -> Any:
+        """An entry's full state (collective): PyTorch's gather for modules and optimizers, else ``local``'s DTensors gathered."""
+        if e.kind in ("module", "optimizer"):
+            return self._full_call(e, True)
+        return gather_tree(local[e.name])
+
+    def _settle(self, step: int, error: BaseException | None) -> None:
+        """Raise on every rank alike when any rank failed (``error``) or the ranks are at different steps."""
+        failures = self.coord.settle(step, error)
+        if not failures:
+            return
+        if len({s for _, s, _ in failures}) > 1:
+            steps = ", ".join(f"rank {r}: step {s}" for r, s, _ in failures)
+            raise RankFailedError(
+                f"the ranks called maybe_save with different steps ({steps}); nothing was saved. Every rank must call "
+                "maybe_save with the same steps (an exception one rank caught and the others did not, e.g. from an "
+                "earlier maybe_save, puts them out of step)") from error
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, _, e in failures if e is not None]
+        cls = PeerStateError if all(is_state for _, (is_state, _) in bad) else RankFailedError
+        ranks = ", ".join(str(r) for r, _ in bad)
+        raise cls(f"step {step} was not saved on any rank: rank(s) {ranks} cannot save their state: "
+                  + "; ".join(f"rank {r}: {text}" for r, (_, text) in bad[:4])
+                  + f". Nothing of step {step} was written; fix the state on rank(s) {ranks} (their own maybe_save "
+                  "raised the error in detail) and save a later step")
+
+    def _build_sharded(self, step: int, rng: dict[str, Any],
+                       codec_suffix: str) -> tuple[list[FileContent], dict[str, EntryLocation], dict[str, Any]]:
+        """This rank's shard file (local: no communication)."""
+        base = {"distributed": {"world_size": self.world_size, "backend": str(torch.distributed.get_backend())}}
         skeletons: dict[str, Any] = {}
         blocks: dict[str, Any] = {}
         records: dict[str, Any] = {}
         self.local_states.begin()
         for e in self.entries:
-            tree = self._state_of(e, False)
+            tree = _as_state_error(e, "taking its state dict", lambda e=e: self._state_of(e, False))
             validate_tree(tree, f"state[{e.name!r}]", module_keys=e.kind == "module")
             split_cache = self._split_cache[e.name] if self.local_states.enabled else None
             skeletons[e.name], blocks[e.name], records[e.name] = split_tree(tree, self.rank, split_cache)
@@ -153,7 +272,7 @@ class DistributedRuntime:
             if e.kind == "optimizer" and model is not None and not e.obj.state:
                 return None
         try:
-            files, _, _ = self.build_files(0, {}, rng, codec_suffix, None)
+            files, _, _ = self._build_sharded(0, rng, codec_suffix)
         except Exception as exc:  # noqa: BLE001 - the save itself reports bad state
             logger.debug("checkpointd: no staging buffers prepared ahead (%s: %s)", type(exc).__name__, exc)
             return None
