@@ -108,3 +108,49 @@ def test_damaged_shard_needed_by_one_rank_fails_every_rank(tmp_path: Path) -> No
     for r in results:
         assert "does not verify on every rank" in r["error"] and "rank-00003" in r["error"], r["error"]
         assert r["unchanged"]
+
+
+def save_two_steps(rank: int, world: int, root: str) -> Any:
+    model, opt = fsdp2_with_adamw(Even, seed=0)
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        for step in (1, 2):
+            train_same_batches(model, opt, 1, seed=step, features=6)
+            mgr.save(step)
+            mgr.wait()
+            if step == 1:
+                at_1 = gathered_state(model, opt)  # collective
+    return at_1 if rank == 0 else None
+
+
+def resume_past_damage(rank: int, world: int, root: str) -> Any:
+    """restore_latest skips the damaged step 2 on every rank, rank 0 takes it out of the checkpoints,
+    and the resumed loop saves step 2 again."""
+    import warnings
+
+    model, opt = fsdp2_with_adamw(Even, seed=5)
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = mgr.resume()
+        restored = gathered_state(model, opt)  # collective
+        steps_after = mgr.steps()
+        mgr.save(2)
+        mgr.wait()
+        final = mgr.steps()
+    return {"start": start, "warned": any("skipping step 2" in str(w.message) for w in caught),
+            "steps_after": steps_after, "final": final, "restored": restored if rank == 0 else None}
+
+
+def test_damaged_newest_step_falls_back_on_every_rank_and_is_saved_again(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    at_1 = run_distributed(save_two_steps, 2, root)[0]
+    damaged = Path(root, "step-000000002", "shards", "rank-00001.pt.zst")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    results = run_distributed(resume_past_damage, 2, root)
+    for r in results:
+        assert r["start"] == 2 and r["warned"] and r["steps_after"] == [1] and r["final"] == [1, 2], r
+    assert_same_state(results[0]["restored"], at_1)
+    (aside,) = Path(root, ".checkpointd-damaged").iterdir()  # moved once, by rank 0
+    assert aside.name.startswith("step-000000002-") and (aside / "shards" / "rank-00001.pt.zst").exists()

@@ -178,7 +178,8 @@ class CheckpointManager:
         self._closed = False
         self._lock = threading.RLock()
         self._inflight = InFlight()
-        self._committed: set[int] | None = None
+        self._marked: set[int] | None = None
+        """Steps with a marker in the root's listing (a cache; each is checked before it counts)."""
         self._metrics = MetricsCache(self._store)
         self._last_committed: int | None = None
         self._branched_from: int | None = None
@@ -252,7 +253,7 @@ class CheckpointManager:
             return False
         self._take_leases()
         with self._lock:
-            already = step in self._committed_steps()
+            already = self._is_committed(step)
         if preempted and already and not force and not self._overwrite:
             self._preemption.save_pending = False  # this step is saved already: nothing more to do
             return False
@@ -338,20 +339,20 @@ class CheckpointManager:
             logger.info("checkpointd: removing previous contents of %s before saving", self._store.display(step_dir))
             commit.uncommit_and_remove(self._store, step_dir)
             with self._lock:
-                if self._committed is not None:
-                    self._committed.discard(layout.parse_step_dir_name(step_dir) or -1)
+                if self._marked is not None:
+                    self._marked.discard(layout.parse_step_dir_name(step_dir) or -1)
 
     def _after_commit(self, job: SaveJob) -> None:
         """On the committer thread: record the commit, queue its upload (two tiers), then apply retention."""
         if self._uploader is not None:
             self._uploader.submit(job.step)
         with self._lock:
-            if self._committed is not None:
-                self._committed.add(job.step)
+            if self._marked is not None:
+                self._marked.add(job.step)
             self._metrics.record(job.step, job.manifest.metrics)
             self._last_committed = job.step if self._last_committed is None else max(self._last_committed, job.step)
             if self._dist is not None and not self._dist.is_rank0:
-                self._committed = None  # rank 0 applied retention; re-list on the next check
+                self._marked = None  # rank 0 applied retention; re-list on the next check
                 return
         try:
             self._apply_retention(job.step)
@@ -371,8 +372,8 @@ class CheckpointManager:
         deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics,
                                   ignored=frozenset(self._stale_steps))
         with self._lock:
-            if self._committed is not None:
-                self._committed.difference_update(deleted)
+            if self._marked is not None:
+                self._marked.difference_update(deleted)
 
     # ------------------------------------------------------------------------------------------
     # waiting and failures
@@ -475,14 +476,19 @@ class CheckpointManager:
             from .tiers import restore_latest_two_tier
 
             return restore_latest_two_tier(self._store, self._remote, self._restore_step, self._quarantine_all)
-        steps = commit.marked_steps(self._store)  # committed, and those whose marker no longer matches
-        if self._dist is not None:
-            steps = self._dist.agree(steps)  # rank 0's listing
-        if not steps:
-            return None
+        # newest first, each checked only when reached: committed, and those whose manifest no longer
+        # matches their marker (damage); a marker that is not valid (a save still writing it) is no step
+        if self._dist is None:
+            steps = commit.candidate_steps(self._store)
+        else:  # rank 0's listing, checked there, for every rank alike
+            steps = self._dist.agree(commit.marked_steps(self._store) if self._dist.is_rank0 else None)
         failures: list[str] = []
         damaged: list[tuple[Store, int, BaseException]] = []
+        tried = 0
         for step in reversed(steps):
+            if self._dist is None and not commit.has_valid_marker(self._store, layout.step_dir_name(step)):
+                continue
+            tried += 1
             try:
                 self._restore_step(step)
             except NOT_VERIFIED as exc:
@@ -492,8 +498,10 @@ class CheckpointManager:
                 continue
             self._quarantine_all(damaged)
             return step
+        if not tried:
+            return None
         raise CorruptCheckpointError(
-            f"{self._store.display()} holds {len(steps)} committed step(s) but none verifies: " + "; ".join(failures[:5])
+            f"{self._store.display()} holds {tried} committed step(s) but none verifies: " + "; ".join(failures[:5])
         )
 
     def _quarantine_all(self, damaged: list[tuple[Store, int, BaseException]]) -> None:
@@ -510,8 +518,8 @@ class CheckpointManager:
     def _quarantine(self, store: Store, step: int, exc: BaseException) -> str | None:
         """A step that failed verification stops being committed (rank 0 acts for a distributed job)."""
         with self._lock:
-            if self._committed is not None:
-                self._committed.discard(step)
+            if self._marked is not None:
+                self._marked.discard(step)
         if self._dist is not None and not self._dist.is_rank0:
             return None
         lease = next((lease for lease in self._leases if lease.store is store), None)
@@ -533,7 +541,7 @@ class CheckpointManager:
     def _branched(self, step: int | None) -> None:
         """After a restore of ``step``: later committed steps belong to the run it branched from."""
         self._branched_from = step
-        self._stale_steps = set() if step is None else {s for s in self._committed_steps() if s > step}
+        self._stale_steps = set() if step is None else {s for s in self._marked_steps() if s > step and self._is_committed(s)}
 
     def restore(self, step: int) -> None:
         """Restore exactly ``step`` in place (verified first).
@@ -657,10 +665,15 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
 
-    def _committed_steps(self) -> set[int]:
-        if self._committed is None:
-            self._committed = set(commit.committed_steps(self._store))
-        return self._committed
+    def _marked_steps(self) -> set[int]:
+        """Steps with a marker, from one listing of the root, kept up to date by this manager's commits."""
+        if self._marked is None:
+            self._marked = set(commit.candidate_steps(self._store))
+        return self._marked
+
+    def _is_committed(self, step: int) -> bool:
+        """Whether ``step`` is committed: read only when the listing shows a marker for it."""
+        return step in self._marked_steps() and commit.is_committed(self._store, layout.step_dir_name(step))
 
     # ------------------------------------------------------------------------------------------
     # hooks and buffer preparation
