@@ -188,12 +188,9 @@ def test_state_dict_raising_before_the_gather_fails_every_rank(tmp_path: Path, m
         assert r["steps"] == [1, 3], rank
 
 
-def staging_fails_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1's maybe_save raises after the ranks agreed to save (its staging fails) and, unlike the
-    manager, does not hand the failure to the protocol: the protocol's own step check sees rank 0's
-    step 2 beside rank 1's step 3 and commits neither, instead of step 2 with step 3's files."""
+def _fail_staging_of_step_2_on_rank_1(rank: int) -> None:
+    """Patch the manager's staging so that rank 1's save of step 2 raises."""
     import checkpointd.manager as manager_mod
-    from checkpointd.distributed.runtime import DistributedRuntime
 
     real = manager_mod.stage_save
 
@@ -203,6 +200,15 @@ def staging_fails_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
         return real(**kw)
 
     manager_mod.stage_save = stage_save
+
+
+def staging_fails_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's maybe_save raises after the ranks agreed to save (its staging fails) and, unlike the
+    manager, does not hand the failure to the protocol: the protocol's own step check sees rank 0's
+    step 2 beside rank 1's step 3 and commits neither, instead of step 2 with step 3's files."""
+    from checkpointd.distributed.runtime import DistributedRuntime
+
+    _fail_staging_of_step_2_on_rank_1(rank)
     DistributedRuntime.abandon = lambda self, step, error: None  # type: ignore[method-assign]  # the net alone
     errors: list[str] = []
     mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", dist_timeout_secs=30)
@@ -233,16 +239,7 @@ def staging_fails_and_abandons(rank: int, world: int, root: str) -> dict[str, An
     """As above, through the manager: rank 1's staging raises, the manager hands the failure to the
     commit protocol (``DistributedRuntime.abandon``): rank 0's save of step 2 fails at once, naming it,
     and step 3 commits on both ranks."""
-    import checkpointd.manager as manager_mod
-
-    real = manager_mod.stage_save
-
-    def stage_save(**kw: Any) -> Any:
-        if rank == 1 and kw["step"] == 2:
-            raise CheckpointError("staging buffers could not be allocated")
-        return real(**kw)
-
-    manager_mod.stage_save = stage_save
+    _fail_staging_of_step_2_on_rank_1(rank)
     errors: list[str] = []
     mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", dist_timeout_secs=30)
     mgr.save(1)

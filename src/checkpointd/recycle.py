@@ -245,6 +245,15 @@ def empty(store: Any) -> None:
         except (FileNotFoundError, NotADirectoryError):
             pass
         return
+    _clear_bin(fd)
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # absent, or a retirement beside us just put a file in
+
+
+def _clear_bin(fd: int) -> None:
+    """Unlink every non-directory entry of the open bin ``fd`` (names only, never a link's target), then close it."""
     try:
         with os.scandir(fd) as it:
             names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
@@ -252,10 +261,6 @@ def empty(store: Any) -> None:
             _unlink_at(fd, name)
     finally:
         os.close(fd)
-    try:
-        os.rmdir(directory)
-    except OSError:
-        pass  # absent, or a retirement beside us just put a file in
 
 
 def contents(store: Any) -> tuple[int, int]:
@@ -280,13 +285,7 @@ class Retirement:
         self.recycled_bytes = 0
         fd = _open_bin(self.dir)  # made only when a step is retired
         if fd is not None:
-            try:
-                with os.scandir(fd) as it:
-                    names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
-                for name in names:
-                    _unlink_at(fd, name)
-            finally:
-                os.close(fd)
+            _clear_bin(fd)
 
     def _large_files(self, step_dir: str, close: bool = False) -> list[tuple[int, str, int]]:
         try:
