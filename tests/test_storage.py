@@ -290,6 +290,18 @@ class TestS3:
         other.rm_file(store.path("step-000000002/COMMITTED"))
         assert not store.exists("step-000000002/COMMITTED")
 
+    def test_reads_see_an_object_rewritten_after_a_listing(self, s3_root: str, s3_storage_options: dict[str, Any]) -> None:
+        # a listing caches each object's ETag; a file another process rewrote since must read as its new
+        # bytes, not fail on the stale ETag
+        store = Store(s3_root, s3_storage_options)
+        store.write_bytes("step-000000000/data.pt", b"old bytes")
+        assert store.list_dir("step-000000000") == ["data.pt"]
+        other = fsspec.filesystem("s3", skip_instance_cache=True, **s3_storage_options)
+        other.pipe_file(store.path("step-000000000/data.pt"), b"new bytes, longer")
+        with store.open_read("step-000000000/data.pt") as f:
+            assert f.read() == b"new bytes, longer"
+        assert store.read_bytes("step-000000000/data.pt") == b"new bytes, longer"
+
 
 def test_real_disk_full_on_a_small_filesystem() -> None:
     try:

@@ -185,8 +185,9 @@ def check_root(cfg: TrialConfig, delay: float = 0.0) -> TrialResult:
     live = build_state(cfg.x_numel)
     with CheckpointManager(cfg.root, live, storage_options=cfg.storage_options, keep_last=cfg.keep_last) as mgr:
         committed = mgr.steps()
-        partial = [s for s in committed if not verify_step(store, layout.step_dir_name(s)).ok]
-        wrong: list[str] = []
+        reports = {s: verify_step(store, layout.step_dir_name(s)) for s in committed}
+        partial = [s for s, report in reports.items() if not report.ok]
+        wrong: list[str] = [f"step {s} does not verify: {reports[s].errors}" for s in partial]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             latest = mgr.restore_latest()

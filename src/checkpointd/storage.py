@@ -20,8 +20,8 @@ What it adds over plain fsspec:
   fills; :class:`_S3MultipartWriter` keeps up to ``max_parts_in_flight`` parts uploading at once on
   s3fs's event loop while the caller keeps writing, with memory bounded by
   ``part_size_bytes * (max_parts_in_flight + 1)``.
-- **Fresh listings.** Listings and ``info`` on object stores bypass fsspec's listing cache, which can
-  be stale when another process (or rank) wrote a marker.
+- **Fresh listings.** Listings, ``info`` and opening for reading on object stores bypass fsspec's
+  listing cache, which can be stale when another process (or rank) wrote a marker or rewrote a file.
 
 - **Nothing outside the root** (local roots). The root is shared and untrusted: others may plant
   symbolic links, hard links and fifos in it. Whatever it holds, nothing the Store deletes, truncates
@@ -207,7 +207,13 @@ class Store:
         if self.is_local:
             return self._retried(self._open_local_read, rel, describe=f"open {self.display(rel)}")
         full = self.path(rel)
-        return self._retried(self.fs.open, full, "rb", describe=f"open {self.display(rel)}")
+        return self._retried(self._open_remote_read, full, describe=f"open {self.display(rel)}")
+
+    def _open_remote_read(self, full: str) -> IO[bytes]:
+        # s3fs opens with the size and ETag of its listing cache and refuses reads once the ETag changed:
+        # a file another process rewrote since a listing must open as it is now
+        self.fs.invalidate_cache(full)
+        return self.fs.open(full, "rb")
 
     def read_bytes(self, rel: str) -> bytes:
         """A whole object (ranged reads in parallel on s3fs), retried on transient errors.
