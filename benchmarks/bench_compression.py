@@ -37,9 +37,9 @@ import zstandard as zstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from checkpointd import planes_native  # noqa: E402
-from checkpointd.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
-from checkpointd.fastload import BufferReader  # noqa: E402
+from checkpointd.native import planes as planes_native  # noqa: E402
+from checkpointd.codecs.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
+from checkpointd.restore.fastload import BufferReader  # noqa: E402
 
 Tensors = list[torch.Tensor]
 

@@ -12,7 +12,7 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   maybe_save(step, force=True) until wait() returns (the checkpoint is committed and durable); the
   targets apply to this. Each manager's first save is a warm-up timed apart ("warm-up s"): it pins
   the staging arena, which a training run allocates ahead of its first save. The default writes the tensor records from the persist process
-  (checkpointd.persist_process). checkpointd_threads: CHECKPOINTD_PERSIST_PROCESS=0, the records written
+  (checkpointd.storage.persist_process). checkpointd_threads: CHECKPOINTD_PERSIST_PROCESS=0, the records written
   by threads of this process, gently (4 pwrite lanes a file); checkpointd_fast: CHECKPOINTD_PERSIST=fast,
   which changes only the in-process writes (what a preemption save uses without the process). See
   bench_stall.py for what each costs the training steps. For diagnosis, also the time until
@@ -57,7 +57,7 @@ ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "check
                "checkpointd_zstd"]
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
-(``checkpointd.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
+(``checkpointd.storage.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
 METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
               "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 """Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""

@@ -35,11 +35,11 @@ and the live tensors zeroed:
 - checkpointd_hostverify / checkpointd_deviceverify: the uncompressed restore with every file
   checksummed on the host (CHECKPOINTD_RESTORE_VERIFY=host, the behaviour before session 30) / with the
   library's default said explicitly (=device: mapped files uploaded and checksummed on the GPU,
-  ``checkpointd.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
+  ``checkpointd.restore.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
   checkpointd_cold_deviceverify: the same as fresh processes (``checkpointd_cold``);
 - checkpointd_pyupload: the default restore with each file's upload for the device checksum through the
   Python bounce (CHECKPOINTD_RESTORE_UPLOAD=python; the behaviour before session 34) instead of the native
-  upload (``checkpointd.upload_native``), which holds no GIL and lets the parses run beside it;
+  upload (``checkpointd.native.upload``), which holds no GIL and lets the parses run beside it;
 - checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
   CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
   in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
@@ -390,9 +390,12 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
     if isinstance(ckd, str):
         rows[0]["error"] = ckd
         return rows[:1]
-    from checkpointd import commit, layout, restore, restore_apply  # noqa: PLC0415
+    from checkpointd import commit
+    from checkpointd.format import layout
+    from checkpointd.restore import step as restore
+    from checkpointd.restore import apply as restore_apply  # noqa: PLC0415
     try:
-        from checkpointd import device_image  # noqa: PLC0415
+        from checkpointd.restore import device_image  # noqa: PLC0415
 
         def verifying(entries):
             return device_image.verifying_on(device_image.target_device([e.obj for e in entries]))

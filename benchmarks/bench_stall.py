@@ -268,7 +268,7 @@ def hold_frozen_heap() -> contextlib.ExitStack:
     Why: on the two-GPU loop a full garbage collection of the unfrozen heap costs one step 18-47 ms
     about once a minute; without this the floors (``io_only*``, ``copy_only``) count such a pause that
     ``checkpointd``'s runs do not have, and are no floor. Undone by closing the returned stack."""
-    from checkpointd import gcfreeze  # noqa: PLC0415
+    from checkpointd.save import gcfreeze  # noqa: PLC0415
     stack = contextlib.ExitStack()
     gcfreeze.acquire()
     stack.callback(gcfreeze.release)
@@ -285,7 +285,10 @@ class IoOnly(Saver):
     name = "io_only"
 
     def setup(self):
-        from checkpointd import fsinfo, persist_process, ptlayout, sharedmem  # noqa: PLC0415
+        from checkpointd.storage import fsinfo
+        from checkpointd.storage import persist_process
+        from checkpointd.storage import ptlayout
+        from checkpointd.storage import sharedmem  # noqa: PLC0415
         if not sharedmem.supported() or persist_process.client() is None:
             raise SkipMethod("the persist process cannot run here")
         self.fsinfo, self.ptlayout, self.pp = fsinfo, ptlayout, persist_process
@@ -406,7 +409,7 @@ class CopyOnly(Saver):
     def setup(self):
         if not self.b.dev.cuda:
             raise SkipMethod("the device-to-host copy needs CUDA")
-        from checkpointd.snapshot import StagingArena, tensor_spec  # noqa: PLC0415
+        from checkpointd.save.snapshot import StagingArena, tensor_spec  # noqa: PLC0415
         self.src = [t.to_local() if hasattr(t, "to_local") else t for t in C.state_tensors(self.b.model, self.b.opt)]
         self.src = [t for t in self.src if t.is_cuda]
         self.arena = StagingArena([tensor_spec(t) for t in self.src], pin=True, shared=False)
@@ -459,7 +462,7 @@ class CloneOnly(CopyOnly):
 
     def setup(self):
         super().setup()
-        from checkpointd.snapshot import DEVICE_PACE_BYTES  # noqa: PLC0415
+        from checkpointd.save.snapshot import DEVICE_PACE_BYTES  # noqa: PLC0415
         self.pace = DEVICE_PACE_BYTES
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -523,7 +526,7 @@ def method_env(env: dict[str, str]):
     if not env:
         yield
         return
-    from checkpointd import persist_process  # noqa: PLC0415
+    from checkpointd.storage import persist_process  # noqa: PLC0415
     before = {k: os.environ.get(k) for k in env}
     persist_process.shutdown()
     os.environ.update(env)

@@ -369,7 +369,7 @@ def main(argv=None):
         # drives it directly) as its last user on gloo, leaving it to that hook aborted both ranks in the
         # interpreter's teardown, after every atexit handler had run ("terminate called without an
         # active exception"; CPU VM, torch 2.13; not seen on the GPU hosts). Cause not isolated.
-        from checkpointd import persist_process  # noqa: PLC0415
+        from checkpointd.storage import persist_process  # noqa: PLC0415
 
         persist_process.shutdown()
         dist.destroy_process_group()

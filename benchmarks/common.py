@@ -66,7 +66,7 @@ def env_info(dev: Dev) -> dict:
     ckd = try_import_checkpointd()
     info["checkpointd"] = getattr(ckd, "__version__", "unknown") if not isinstance(ckd, str) else f"unavailable: {ckd}"
     if not isinstance(ckd, str):
-        from checkpointd import crc  # noqa: PLC0415
+        from checkpointd.codecs import crc  # noqa: PLC0415
 
         # restores and compressed saves checksum every byte: zlib's CRC-32 makes both slower (RESULTS.md, session 14)
         info["crc32"] = crc.CRC32_IMPLEMENTATION
@@ -533,7 +533,7 @@ def clean_dir(path: str) -> None:
 
 def is_memory_fs(fstype: str | None) -> bool:
     """tmpfs and friends: no disk behind the page cache."""
-    from checkpointd import fsinfo  # noqa: PLC0415
+    from checkpointd.storage import fsinfo  # noqa: PLC0415
     return fsinfo.is_memory_backed(fstype)
 
 
@@ -790,7 +790,7 @@ def raw_write(root: str, views: Sequence[memoryview], *, nfiles: int, threads: i
             def put(t: Any) -> None:
                 _pwrite_all(fds[t[0]], t[1], t[2])
         if writeback:
-            from checkpointd import fsinfo  # noqa: PLC0415
+            from checkpointd.storage import fsinfo  # noqa: PLC0415
             copy = put
 
             def put(t: Any) -> None:

@@ -4,7 +4,7 @@ Prints the host's CPU topology, its virtio devices (a ``virtio_balloon`` with fr
 freed guest memory back to the hypervisor), memory and tmpfs settings, then times on ``/dev/shm``:
 a new file (``posix_fallocate``, then threads copying into a mapping of it, then ``unlink``) three times,
 the same file written over three times, and the same two cases with positional writes. This is why
-checkpointd recycles retired checkpoint files (``checkpointd.recycle``; ``benchmarks/RESULTS.md``, session 10).
+checkpointd recycles retired checkpoint files (``checkpointd.storage.recycle``; ``benchmarks/RESULTS.md``, session 10).
 
     python benchmarks/diagnose_file_pages.py [GB (4)] [THREADS (8)]
 """

@@ -62,10 +62,10 @@ def instrument():
     _INSTRUMENTED.append(True)
     import gc
     gc.callbacks.append(_gc_cb)
-    import checkpointd.ptlayout as PL
-    import checkpointd.writer as W
+    import checkpointd.storage.ptlayout as PL
+    import checkpointd.save.writer as W
 
-    import checkpointd.snapshot as S
+    import checkpointd.save.snapshot as S
 
     _wrap(W.BackgroundWriter, "_process", "process")
     _wrap(W.BackgroundWriter, "plan_job", "plan")

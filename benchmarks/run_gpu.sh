@@ -84,7 +84,7 @@ for m in ("zstandard", "fsspec", "checkpointd"):
     except Exception as e:  # noqa: BLE001
         print("   ", m, "NOT IMPORTABLE:", e)
 try:
-    from checkpointd import crc
+    from checkpointd.codecs import crc
     note = "" if crc.CRC32_IMPLEMENTATION != "zlib" else " (slow: pip install zlib-ng for the numbers users get with the 'fast' extra)"
     print("    CRC-32 by", crc.CRC32_IMPLEMENTATION + note)
 except Exception as e:  # noqa: BLE001

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpointd import persist_process
+from checkpointd.storage import persist_process
 
 
 def record_requests(monkeypatch: Any, *kinds: str) -> list[tuple]:

@@ -16,7 +16,7 @@ import torch
 
 from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError
 from checkpointd.cleanup import collect_garbage
-from checkpointd.storage import Store
+from checkpointd.storage.store import Store
 from checkpointd.testing import Fault, FaultPlan, permanent_error
 
 

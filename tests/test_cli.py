@@ -21,8 +21,8 @@ from checkpointd import CheckpointManager
 from checkpointd.cleanup import collect_garbage, parse_duration
 from checkpointd.cli import EXIT_CODES, EXIT_UNREACHABLE, Progress, RetryReporter, main, parse_storage_options
 from checkpointd.errors import ConfigError
-from checkpointd.retry import RetryEvent
-from checkpointd.storage import Store
+from checkpointd.storage.retry import RetryEvent
+from checkpointd.storage.store import Store
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -260,7 +260,7 @@ def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_gc_empties_the_recycling_bin(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from checkpointd import recycle
+    from checkpointd.storage import recycle
 
     bin_dir = root / recycle.BIN_NAME  # what a crashed run leaves: retired files no save took
     bin_dir.mkdir()

@@ -22,7 +22,7 @@ import pytest
 
 from checkpointd.errors import RootInUseError
 from checkpointd.lease import LEASE_NAME, LOCK_NAME, RootLease, read_lease
-from checkpointd.storage import Store
+from checkpointd.storage.store import Store
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
@@ -35,7 +35,7 @@ pkg = types.ModuleType("checkpointd"); pkg.__path__ = [sys.argv[1] + "/checkpoin
 sys.modules["checkpointd"] = pkg
 from checkpointd import lease as lease_mod
 from checkpointd.lease import RootLease
-from checkpointd.storage import Store
+from checkpointd.storage.store import Store
 replace = lease_mod.local_replace
 delay = [0.0]
 def slow_replace(*args):

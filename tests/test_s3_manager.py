@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager, CheckpointWriteError, load
-from checkpointd.checksum import sha256_hex
-from checkpointd.manifest import Manifest
+from checkpointd.codecs.checksum import sha256_hex
+from checkpointd.format.manifest import Manifest
 from checkpointd.testing import Fault, FaultPlan
 
 

@@ -32,15 +32,16 @@ from typing import Any
 import torch
 
 from checkpointd import CheckpointManager
-from checkpointd.storage import Store
-from checkpointd.verify import verify_step
-from checkpointd import layout, recycle
+from checkpointd.storage.store import Store
+from checkpointd.restore.verify import verify_step
+from checkpointd.format import layout
+from checkpointd.storage import recycle
 
 WIDTH = 64
 X_NUMEL = 4096
 """Elements of the plain tensor ``x``; a trial may ask for millions (:attr:`TrialConfig.x_numel`), so its
 file is large enough for the paths that only large files take: recycling retired files, blank files
-made ahead, the persist process's kept mappings (``checkpointd.recycle.MIN_RECYCLE_BYTES``)."""
+made ahead, the persist process's kept mappings (``checkpointd.storage.recycle.MIN_RECYCLE_BYTES``)."""
 
 
 def build_state(x_numel: int = X_NUMEL) -> dict[str, Any]:

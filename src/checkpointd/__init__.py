@@ -8,9 +8,9 @@ Follow a save from :meth:`CheckpointManager.maybe_save` in ``manager.py``: its m
 the pipeline stages and the module that implements each.
 """
 
-__version__ = "0.1.0"
+from checkpointd.version import VERSION as __version__  # noqa: E402
 
-from .errors import (  # noqa: E402
+from checkpointd.errors import (  # noqa: E402
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
@@ -26,8 +26,8 @@ from .errors import (  # noqa: E402
     StepAlreadyExistsError,
     UnsafeCheckpointError,
 )
-from .load import load  # noqa: E402
-from .manager import CheckpointManager  # noqa: E402
+from checkpointd.load import load  # noqa: E402
+from checkpointd.manager import CheckpointManager  # noqa: E402
 
 __all__ = [
     "CheckpointManager",

@@ -10,7 +10,7 @@ damaged ones: that is for a person to decide after ``checkpointd verify``.
 Nothing removed lies outside the root, whatever links the root holds: a step-shaped entry that is a
 symbolic link is an uncommitted leftover of its own, aged by the link's own time and removed as a link
 (never its target, never descended into); links inside a leftover are removed as links
-(:meth:`checkpointd.storage.Store.remove_tree`).
+(:meth:`checkpointd.storage.store.Store.remove_tree`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import commit
-from .errors import ConfigError
-from .storage import Store
+from checkpointd import commit
+from checkpointd.errors import ConfigError
+from checkpointd.storage.store import Store
 
 __all__ = ["DEFAULT_GRACE_SECS", "DirScan", "GcResult", "collect_garbage", "parse_duration", "scan_dir"]
 

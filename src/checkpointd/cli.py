@@ -1,9 +1,9 @@
 """``checkpointd``: list, inspect, verify, export and clean up checkpoints from the shell (SPEC §1).
 
-Each command is a thin layer over a library module: ``verify`` over :mod:`checkpointd.verify` (the
+Each command is a thin layer over a library module: ``verify`` over :mod:`checkpointd.restore.verify` (the
 same checks restore runs), ``export`` over :mod:`checkpointd.export`, ``gc`` over
 :mod:`checkpointd.cleanup`, and ``inspect`` reads tensors' shapes and dtypes from the pickles alone
-through :mod:`checkpointd.partial`. Human output goes to stdout, messages and the progress bar to
+through :mod:`checkpointd.restore.partial`. Human output goes to stdout, messages and the progress bar to
 stderr (the bar only when stderr is a terminal); ``--json`` prints one JSON document for scripts.
 Exit codes are part of the interface; see ``EXIT_CODES`` and ``checkpointd --help``.
 
@@ -27,11 +27,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, TextIO
 
-from . import __version__, commit, layout, recycle
-from .cleanup import DEFAULT_GRACE_SECS, collect_garbage, human_secs, parse_duration, scan_dir
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
-from .retry import RetryEvent, RetryPolicy
-from .storage import Store
+from checkpointd import commit
+from checkpointd.version import VERSION
+from checkpointd.format import layout
+from checkpointd.storage import recycle
+from checkpointd.cleanup import DEFAULT_GRACE_SECS, collect_garbage, human_secs, parse_duration, scan_dir
+from checkpointd.errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+from checkpointd.storage.retry import RetryEvent, RetryPolicy
+from checkpointd.storage.store import Store
 
 __all__ = ["EXIT_CODES", "RetryReporter", "main"]
 
@@ -266,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="checkpointd", description="Inspect and maintain checkpointd checkpoints.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"checkpointd {__version__}")
+    parser.add_argument("--version", action="version", version=f"checkpointd {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = _subcommand(sub, "ls", parents=[common, as_json], help="list the step directories of a root",
@@ -423,14 +426,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except IncompleteCheckpointError:
         if _has_valid_marker(store) or not store.exists(layout.MANIFEST_NAME):
             raise  # damaged: the marker names a manifest that is not there
-        from .manifest import Manifest
+        from checkpointd.format.manifest import Manifest
 
         committed = False
         manifest = Manifest.from_json(store.read_bytes(layout.MANIFEST_NAME), where=store.display(layout.MANIFEST_NAME))
         _err(f"warning: {store.display()} is NOT committed (no valid {layout.COMMIT_MARKER_NAME}); it is not a checkpoint")
     tensors: dict[str, list[dict[str, Any]]] = {}
     if not args.no_tensors:
-        from .partial import _open_in_store
+        from checkpointd.restore.partial import _open_in_store
 
         for f in manifest.files:
             rel = f.path
@@ -470,7 +473,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_file(store: Store, args: argparse.Namespace) -> int:
-    from .partial import _codec_of, _format_of, _open_in_store
+    from checkpointd.restore.partial import _codec_of, _format_of, _open_in_store
 
     name = store.root.rsplit("/", 1)[-1]
     with _open_in_store(store, "", _codec_of(name), _format_of(name), store.display()) as cf:
@@ -499,7 +502,7 @@ def _print_tensors(rel: str, items: list[dict[str, Any]]) -> None:
 
 # -- verify -------------------------------------------------------------------------------------------
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import stored_bytes, verify_step
+    from checkpointd.restore.verify import stored_bytes, verify_step
 
     store = _open_existing(args.path, args)
     if store.is_file(""):
@@ -547,8 +550,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 # -- export -------------------------------------------------------------------------------------------
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_step
-    from .verify import stored_bytes
+    from checkpointd.export import export_step
+    from checkpointd.restore.verify import stored_bytes
 
     store = _open_existing(args.step_dir, args)
     if store.is_file("") or not _is_step_dir(store):

@@ -24,11 +24,11 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import layout
-from .checksum import sha256_hex
-from .errors import CheckpointError, IncompleteCheckpointError, ManifestError
-from .manifest import Manifest
-from .storage import Store
+from checkpointd.format import layout
+from checkpointd.codecs.checksum import sha256_hex
+from checkpointd.errors import CheckpointError, IncompleteCheckpointError, ManifestError
+from checkpointd.format.manifest import Manifest
+from checkpointd.storage.store import Store
 
 logger = logging.getLogger("checkpointd")
 
@@ -166,7 +166,7 @@ def uncommit_and_remove(store: Store, step_dir: str, recycle: Callable[[str], No
     """Delete a step directory: the marker first, so a crash mid-delete never leaves a 'committed' husk.
 
     ``recycle(step_dir)``, called between the two, may move files out for reuse
-    (:class:`checkpointd.recycle.Retirement`): by then the directory is no longer a checkpoint.
+    (:class:`checkpointd.storage.recycle.Retirement`): by then the directory is no longer a checkpoint.
     """
     if store.is_link(step_dir):  # a link planted in the root: removed as a link, never followed
         store.remove_tree(step_dir)

@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import commit, layout
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError
-from .partial import CheckpointFile
-from .restore import read_verified
-from .storage import Store
+from checkpointd import commit
+from checkpointd.format import layout
+from checkpointd.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from checkpointd.restore.partial import CheckpointFile
+from checkpointd.restore.step import read_verified
+from checkpointd.storage.store import Store
 
 __all__ = ["ExportedFile", "export_step", "native_name"]
 
@@ -96,7 +97,7 @@ def _write_decoded(data: bytes, codec_name: str, out: Store, target: str, where:
     if codec_name in ("none", "", None):
         out.write_bytes(target, data)
         return len(data)
-    from .compress import get_codec
+    from checkpointd.codecs.compress import get_codec
 
     total = 0
     try:

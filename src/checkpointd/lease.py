@@ -59,8 +59,8 @@ import uuid
 import weakref
 from typing import Any
 
-from .errors import ConfigError, RootInUseError
-from .leasefile import (
+from checkpointd.errors import ConfigError, RootInUseError
+from checkpointd.leasefile import (
     Identity,
     LEASE_FORMAT,
     LEASE_NAME,
@@ -75,7 +75,8 @@ from .leasefile import (
     parse_lease,
     read_lease,
 )
-from .storage import Store
+from checkpointd.storage.store import Store
+from checkpointd.version import VERSION
 
 __all__ = ["DEFAULT_TIMEOUT_SECS", "LEASE_NAME", "LOCK_NAME", "RootLease", "read_lease"]
 
@@ -127,13 +128,12 @@ class _LeaseState:
         return raw is not None, parse_lease(raw)
 
     def document(self, now: float) -> bytes:
-        from . import __version__
 
         me = self.me
         return json.dumps({
             "format": LEASE_FORMAT, "owner": self.owner, "host": me.host, "boot_id": me.boot_id,
             "pid_ns": me.pid_ns, "pid": me.pid, "pid_start": me.pid_start, "started": self.started,
-            "heartbeat": now, "timeout": self.timeout, "version": __version__, "what": self.what,
+            "heartbeat": now, "timeout": self.timeout, "version": VERSION, "what": self.what,
         }, indent=1).encode()
 
     def ours(self, doc: dict[str, Any] | None) -> bool:

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import RootInUseError
-from .storage import Store
+from checkpointd.errors import RootInUseError
+from checkpointd.storage.store import Store
 
 try:
     import fcntl

@@ -11,10 +11,11 @@ import os
 import re
 from typing import Any
 
-from . import commit, layout
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from .restore import decode, load_native, malformed_is_damage, read_step, values_by_entry
-from .storage import Store
+from checkpointd import commit
+from checkpointd.format import layout
+from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from checkpointd.restore.step import decode, load_native, malformed_is_damage, read_step, values_by_entry
+from checkpointd.storage.store import Store
 
 _PN_FILE_RE = re.compile(r"^(?P<stem>.+)\.(?P<rank>\d+)\.(?P<epoch>\d+)\.(?P<ext>pt|mdlus)$")
 
@@ -58,7 +59,7 @@ def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
     with malformed_is_damage(store.display(step_dir)):
         contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
         if manifest.mode == "sharded":
-            from .distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
+            from checkpointd.distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
 
             return assemble_full_values(manifest, contents)
         return values_by_entry(manifest, contents)

@@ -32,8 +32,13 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import commit, gcfreeze, layout, ptlayout, recycle, restore as restore_mod
-from .errors import (
+from checkpointd import commit
+from checkpointd.save import gcfreeze
+from checkpointd.format import layout
+from checkpointd.storage import ptlayout
+from checkpointd.storage import recycle
+from checkpointd.restore import step as restore_mod
+from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -43,16 +48,16 @@ from .errors import (
     RootInUseError,
     StepAlreadyExistsError,
 )
-from .policy import RetentionPolicy, SaveSchedule
-from .retention import MetricsCache, apply_retention
-from .rng import capture_rng, restore_rng
-from .savejob import blank_file_sizes, files_ahead, prewarm_reductions, stage_save, staging_layout
-from .snapshot import Snapshotter
-from .state import build_entries, build_files, clean_metrics
-from .storage import Store
-from .inflight import InFlight
-from .lease import RootLease
-from .manager_setup import (
+from checkpointd.policy import RetentionPolicy, SaveSchedule
+from checkpointd.retention import MetricsCache, apply_retention
+from checkpointd.rng import capture_rng, restore_rng
+from checkpointd.save.savejob import blank_file_sizes, files_ahead, prewarm_reductions, stage_save, staging_layout
+from checkpointd.save.snapshot import Snapshotter
+from checkpointd.state import build_entries, build_files, clean_metrics
+from checkpointd.storage.store import Store
+from checkpointd.save.inflight import InFlight
+from checkpointd.lease import RootLease
+from checkpointd.manager_setup import (
     as_step,
     as_steps,
     check_host_budget,
@@ -63,7 +68,7 @@ from .manager_setup import (
     physicsnemo_detector,
     register_flush_at_exit,
 )
-from .writer import BackgroundWriter, SaveJob
+from checkpointd.save.writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
 
@@ -153,7 +158,7 @@ class CheckpointManager:
                                       at_steps=frozenset(as_steps(at_steps)))
         self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                           keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
-        from .compress import get_codec
+        from checkpointd.codecs.compress import get_codec
 
         self._codec = get_codec(compression)
         self._mode = mode
@@ -201,14 +206,14 @@ class CheckpointManager:
         if self._remote is not None:
             if self._dist is not None:
                 raise ConfigError("local_dir (two tiers) is for single-process runs; under torch.distributed save to root")
-            from .tiers import Uploader
+            from checkpointd.tiers import Uploader
 
             self._uploader = Uploader(self._store, self._remote, self._retention, file_threads=threads,
                                       on_uploaded=self._after_upload)
             self._uploader.before_marker = self._leases[1].check
             self._uploader.resume_pending(before_first=self._take_leases)
         self._preemption: Any = None
-        from .preemption import PreemptionWatcher, resolve_signals
+        from checkpointd.preemption import PreemptionWatcher, resolve_signals
 
         signals = resolve_signals(save_on_signals)
         if signals:
@@ -473,7 +478,7 @@ class CheckpointManager:
 
     def _restore_latest(self) -> int | None:
         if self._remote is not None:
-            from .tiers import restore_latest_two_tier
+            from checkpointd.tiers import restore_latest_two_tier
 
             return restore_latest_two_tier(self._store, self._remote, self._restore_step, self._quarantine_all)
         # newest first, each checked only when reached: committed, and those whose manifest no longer

@@ -16,12 +16,12 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .errors import CheckpointError, ConfigError
-from .retry import RetryPolicy
-from .storage import Store
+from checkpointd.errors import CheckpointError, ConfigError
+from checkpointd.storage.retry import RetryPolicy
+from checkpointd.storage.store import Store
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from checkpointd.manager import CheckpointManager
 
 logger = logging.getLogger("checkpointd")
 
@@ -60,7 +60,7 @@ def check_host_budget(budget: Any, mode: str) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ConfigError(f"host_staging_budget_bytes must be a positive int (bytes) or None, got {budget!r}")
-    from . import distributed
+    from checkpointd import distributed
 
     if mode == "full" and distributed.is_active():
         raise ConfigError("host_staging_budget_bytes is not supported with mode='full' under torch.distributed "
@@ -106,18 +106,18 @@ def open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_
 
 def distributed_runtime(entries: Any, mode: str, timeout_secs: float) -> Any:
     """A DistributedRuntime when torch.distributed is initialized (collective: every rank builds its manager)."""
-    from . import distributed
+    from checkpointd import distributed
 
     if not distributed.is_active():
         return None
-    from .distributed.runtime import DistributedRuntime
+    from checkpointd.distributed.runtime import DistributedRuntime
 
     return DistributedRuntime(entries, mode, timeout_secs)
 
 
 def physicsnemo_detector() -> Any:
     try:
-        from .mdlus import is_physicsnemo_module
+        from checkpointd.format.mdlus import is_physicsnemo_module
 
         return is_physicsnemo_module
     except ImportError:
@@ -126,7 +126,7 @@ def physicsnemo_detector() -> Any:
 
 def mdlus_members() -> Any:
     try:
-        from .mdlus import mdlus_json_members
+        from checkpointd.format.mdlus import mdlus_json_members
 
         return mdlus_json_members
     except ImportError:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from .errors import ConfigError
+from checkpointd.errors import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from .errors import ConfigError
+from checkpointd.errors import ConfigError
 
 __all__ = ["DEFAULT_PREEMPTION_SIGNALS", "PreemptionWatcher"]
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from . import commit, layout, recycle
-from .errors import CheckpointError
-from .policy import RetentionPolicy
-from .storage import Store
+from checkpointd import commit
+from checkpointd.format import layout
+from checkpointd.storage import recycle
+from checkpointd.errors import CheckpointError
+from checkpointd.policy import RetentionPolicy
+from checkpointd.storage.store import Store
 
 logger = logging.getLogger("checkpointd")
 

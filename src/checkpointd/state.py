@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, cast
 
 import torch
 
-from . import layout
-from .errors import ConfigError, StateError
+from checkpointd.format import layout
+from checkpointd.errors import ConfigError, StateError
 
 # Keys of PhysicsNeMo's training-state file, and ours.
 OPTIMIZER_KEY = "optimizer_state_dict"

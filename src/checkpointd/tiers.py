@@ -26,14 +26,15 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from . import commit, layout
-from .checksum import ChecksumWriter
-from .errors import NOT_VERIFIED, CheckpointTimeoutError, CorruptCheckpointError
-from .retention import MetricsCache, apply_retention
-from .manifest import FileEntry
-from .policy import RetentionPolicy
-from .serial_worker import SerialWorker
-from .storage import Store
+from checkpointd import commit
+from checkpointd.format import layout
+from checkpointd.codecs.checksum import ChecksumWriter
+from checkpointd.errors import NOT_VERIFIED, CheckpointTimeoutError, CorruptCheckpointError
+from checkpointd.retention import MetricsCache, apply_retention
+from checkpointd.format.manifest import FileEntry
+from checkpointd.policy import RetentionPolicy
+from checkpointd.storage.serial_worker import SerialWorker
+from checkpointd.storage.store import Store
 
 __all__ = ["Uploader", "restore_latest_two_tier"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import checkpointd
-from checkpointd import layout
-from checkpointd.checksum import checksum_bytes, sha256_hex
+from checkpointd.format import layout
+from checkpointd.codecs.checksum import checksum_bytes, sha256_hex
 from checkpointd.cli import main as cli_main
 from checkpointd.testing.tamper import _encode, recommit
 
@@ -219,7 +219,7 @@ def forge_native(d: Path, rel: str, native: bytes, *, checksum: bool = True, raw
 
 def native_bytes(d: Path, rel: str) -> bytes:
     """The native (decoded) bytes of data file ``rel``."""
-    from checkpointd.compress import decode_bytes
+    from checkpointd.codecs.compress import decode_bytes
 
     entry = next(f for f in _manifest(d)["files"] if f["path"] == rel)
     data = (d / rel).read_bytes()

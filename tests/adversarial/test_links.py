@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError, load, recycle
-from checkpointd.storage import LinkedPathError, Store
+from checkpointd import CheckpointManager, CheckpointWriteError, load
+from checkpointd.storage import recycle
+from checkpointd.storage.store import LinkedPathError, Store
 
 from .conftest import fingerprint
 

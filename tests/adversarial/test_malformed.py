@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import CheckpointError, layout
+from checkpointd import CheckpointError
+from checkpointd.format import layout
 
 from . import craft
 from .craft import BAD, GOOD

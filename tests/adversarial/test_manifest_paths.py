@@ -18,7 +18,7 @@ import torch
 
 import checkpointd
 from checkpointd import CheckpointError
-from checkpointd.checksum import checksum_bytes
+from checkpointd.codecs.checksum import checksum_bytes
 
 from . import craft
 from .craft import BAD, GOOD

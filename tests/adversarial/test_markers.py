@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd import CheckpointManager, layout
+from checkpointd import CheckpointManager
+from checkpointd.format import layout
 
 from . import craft
 from .craft import BAD, GOOD

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager, CorruptCheckpointError, IncompleteCheckpointError, load
-from checkpointd.storage import Store
+from checkpointd.storage.store import Store
 
 pytestmark = pytest.mark.timeout(60)
 

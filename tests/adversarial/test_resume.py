@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import CheckpointManager, StepAlreadyExistsError, layout
+from checkpointd import CheckpointManager, StepAlreadyExistsError
+from checkpointd.format import layout
 
 from . import craft
 from .craft import BAD, DAMAGED_DIR, GOOD

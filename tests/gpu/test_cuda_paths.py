@@ -195,7 +195,8 @@ def test_device_staging_clones_off_the_compute_stream(tmp_path):
 
 def test_persist_process_writes_pinned_shared_staging_bit_exact(tmp_path):
     """CUDA staging arenas live in shared memory, page-locked, and the persist process writes them."""
-    from checkpointd import persist_process, sharedmem
+    from checkpointd.storage import persist_process
+    from checkpointd.storage import sharedmem
 
     if not sharedmem.supported():
         pytest.skip("shared staging needs Linux memfd_create")
@@ -221,7 +222,7 @@ def test_persist_process_writes_pinned_shared_staging_bit_exact(tmp_path):
 
 def test_device_clone_warm_up_touches_no_staging_buffer():
     """The warm-up launch (one element per dtype, channels_last included) runs and leaves the buffers as they were."""
-    from checkpointd.snapshot import _warm_device_clone
+    from checkpointd.save.snapshot import _warm_device_clone
 
     dev = torch.device("cuda")
     buffers = [
@@ -244,8 +245,8 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
     paced batch at the forward's hook, made "large" here so its deferral is exercised too.)"""
     import time
 
-    from checkpointd import snapshot as snapshot_mod
-    from checkpointd import writer as writer_mod
+    from checkpointd.save import snapshot as snapshot_mod
+    from checkpointd.save import writer as writer_mod
 
     monkeypatch.setattr(snapshot_mod, "PLAN_DEFER_MIN_BYTES", 0)
 
@@ -301,7 +302,7 @@ def test_small_snapshots_plan_at_once(tmp_path, monkeypatch):
     """Below ``PLAN_DEFER_MIN_BYTES`` the committer plans without waiting for the optimizer step."""
     import time
 
-    from checkpointd import writer as writer_mod
+    from checkpointd.save import writer as writer_mod
 
     planned = threading.Event()
     orig_plan_job = writer_mod.BackgroundWriter.plan_job
@@ -331,8 +332,8 @@ def test_small_snapshots_plan_at_once(tmp_path, monkeypatch):
 def test_arena_page_locked_in_pieces_copies_async_and_bit_exact(monkeypatch, shared):
     """Every buffer of an arena registered in many pieces is pinned memory to CUDA (an asynchronous
     device-to-host copy lands in it), none crosses a piece, and the copies are bit-exact."""
-    from checkpointd import sharedmem
-    from checkpointd.snapshot import StagingArena, tensor_spec
+    from checkpointd.storage import sharedmem
+    from checkpointd.save.snapshot import StagingArena, tensor_spec
 
     if shared and not sharedmem.supported():
         pytest.skip("no shared staging memory here")
@@ -368,7 +369,7 @@ def test_a_save_waiting_for_its_arena_ends_the_registration_pauses(tmp_path, mon
     rest is registered without pauses, with the real ``cudaHostRegister``."""
     import time
 
-    from checkpointd.snapshot import StagingArena
+    from checkpointd.save.snapshot import StagingArena
 
     monkeypatch.setenv("CHECKPOINTD_REGISTER_PIECE_MB", "64")
     monkeypatch.setenv("CHECKPOINTD_REGISTER_PAUSE", "300")  # each pause 300x its piece's registration

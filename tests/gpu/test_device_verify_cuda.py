@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, bulkcopy, cuda_rtc, device_crc, device_image, fastload, kernel_cache, upload_native
+from checkpointd import CheckpointManager
+from checkpointd.restore import bulkcopy
+from checkpointd.native import cuda_rtc
+from checkpointd.restore import device_crc
+from checkpointd.restore import device_image
+from checkpointd.restore import fastload
+from checkpointd.native import kernel_cache
+from checkpointd.native import upload as upload_native
 from checkpointd.errors import CorruptCheckpointError
 
 from test_restore_cuda import _assert_same, _model, _scramble, _trained
@@ -67,7 +74,8 @@ def test_nvrtc_builds_the_kernels_and_reports_compile_errors() -> None:
 
 _FRESH = """
 import json, zlib, torch
-from checkpointd import cuda_rtc, device_crc
+from checkpointd.native import cuda_rtc
+from checkpointd.restore import device_crc
 buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
 ok = device_crc.kernel_available(buf.device) and device_crc.crc32_of(buf) == zlib.crc32(buf.cpu().numpy().tobytes())
 print(json.dumps({"ok": ok, "origin": list(cuda_rtc.load_origin.values())}))

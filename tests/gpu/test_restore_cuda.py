@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from checkpointd import CheckpointManager, bulkcopy, upload_native
+from checkpointd import CheckpointManager
+from checkpointd.restore import bulkcopy
+from checkpointd.native import upload as upload_native
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

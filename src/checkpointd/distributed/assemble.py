@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import CorruptCheckpointError
-from ..manifest import Manifest
-from .sharding import ShardedLeaf, map_tree, materialize, path_key
+from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.manifest import Manifest
+from checkpointd.distributed.sharding import ShardedLeaf, map_tree, materialize, path_key
 
 SHARD_DIR = "shards"
 

@@ -42,10 +42,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import commit, layout
-from ..errors import CheckpointError, StateError
-from ..manifest import Manifest
-from ..writer import BackgroundWriter, SaveJob
+from checkpointd import commit
+from checkpointd.format import layout
+from checkpointd.errors import CheckpointError, StateError
+from checkpointd.format.manifest import Manifest
+from checkpointd.save.writer import BackgroundWriter, SaveJob
 
 logger = logging.getLogger("checkpointd")
 

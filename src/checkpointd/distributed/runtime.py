@@ -30,20 +30,21 @@ from typing import Any, Callable
 
 import torch
 
-from .. import commit, restore as restore_mod
-from ..errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
+from checkpointd import commit
+from checkpointd.restore import step as restore_mod
+from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
                       StateMismatchError)
-from ..manifest import EntryLocation, FileEntry, Manifest
-from ..rng import restore_rng
-from ..state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
-from ..storage import Store
-from ..writer import SaveJob
-from .assemble import shard_file_name, sharded_values
-from .coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
-from .sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
-from .state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
+from checkpointd.format.manifest import EntryLocation, FileEntry, Manifest
+from checkpointd.rng import restore_rng
+from checkpointd.state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
+from checkpointd.storage.store import Store
+from checkpointd.save.writer import SaveJob
+from checkpointd.distributed.assemble import shard_file_name, sharded_values
+from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
+from checkpointd.distributed.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
+from checkpointd.distributed.state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
                           owner_module, plan_module, plan_optimizer)
-from .statecache import LocalStates
+from checkpointd.distributed.statecache import LocalStates
 
 logger = logging.getLogger("checkpointd")
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, cast
 
 import torch
 
-from ..errors import CorruptCheckpointError, StateError, StateMismatchError
+from checkpointd.errors import CorruptCheckpointError, StateError, StateMismatchError
 
 PathKey = str
 """JSON list of the keys leading to a leaf inside one entry's tree, e.g. ``["state", "0.weight", "exp_avg"]``."""

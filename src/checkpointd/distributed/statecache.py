@@ -40,9 +40,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CheckpointError
-from .sharding import is_dtensor
-from .state_dicts import is_fsdp1
+from checkpointd.errors import CheckpointError
+from checkpointd.distributed.sharding import is_dtensor
+from checkpointd.distributed.state_dicts import is_fsdp1
 
 logger = logging.getLogger("checkpointd")
 

@@ -1,12 +1,12 @@
 """Test helpers for checkpointd and its users: fault injection, a local S3 server, a tiny disk.
 
 Nothing here is imported by the library itself (``faulty://`` is registered lazily by
-:mod:`checkpointd.storage`), so these helpers cost nothing in production.
+:mod:`checkpointd.storage.store`), so these helpers cost nothing in production.
 """
 
 from __future__ import annotations
 
-from .faults import (
+from checkpointd.testing.faults import (
     Fault,
     FaultPlan,
     FaultyFileSystem,
@@ -18,7 +18,7 @@ from .faults import (
     timeout_error,
     transient_error,
 )
-from .s3server import S3Server, S3ServerError, find_weed, start_s3_server
+from checkpointd.testing.s3server import S3Server, S3ServerError, find_weed, start_s3_server
 
 __all__ = [
     "Fault",

@@ -12,7 +12,7 @@ what a user would see when storage misbehaves:
 
 The plan is shared by reference (the filesystem is never cached by fsspec), so a test can change it
 mid-run (``plan.enabled = False``, ``plan.free_disk()``) and read what happened (``plan.injected``,
-``plan.calls``). Importing :mod:`checkpointd.storage` registers the ``faulty`` protocol lazily; this
+``plan.calls``). Importing :mod:`checkpointd.storage.store` registers the ``faulty`` protocol lazily; this
 module registers it eagerly too.
 
 Operations a :class:`Fault` can target (``op``):
@@ -51,7 +51,7 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
-from checkpointd.storage_writers import _WriterBase
+from checkpointd.storage.writers import _WriterBase
 
 __all__ = [
     "OPS",
@@ -292,7 +292,7 @@ class FaultyFileSystem(AbstractFileSystem):
     def _t(self, path: str) -> str:
         return self.target._strip_protocol(self._strip_protocol(path))
 
-    # -- hook used by checkpointd.storage.Store: faults around the Store's own best writer ----
+    # -- hook used by checkpointd.storage.store.Store: faults around the Store's own best writer ----
     def wrap_write_file(self, path: str, opener: Callable[[], Any]) -> Any:
         """``opener()`` opens the target writer; faults for open/write/close wrap it."""
         self.plan.check("open", path)
@@ -304,7 +304,7 @@ class FaultyFileSystem(AbstractFileSystem):
         if "r" in mode and "+" not in mode:
             self.plan.check("read", path)
             return self.target.open(path, mode, **kwargs)
-        from checkpointd.storage_writers import _GuardedFile  # plain fsspec files commit on exceptions
+        from checkpointd.storage.writers import _GuardedFile  # plain fsspec files commit on exceptions
 
         self.plan.check("open", path)
         return _FaultyWriter(self.plan, path, _GuardedFile(self.target, path))

@@ -1,0 +1,258 @@
+"""Verify on the GPU: a mapped file is uploaded whole to a device image and checksummed there.
+
+Why: a verify-first restore (no byte reaches a live tensor before every file of the step matched its
+manifest checksum) passed over host memory twice, one pass after the other: the checksum of each file
+on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200 host), then the copy into
+pinned chunks and their DMA into the live tensors (~90 ms). Here the copy comes first, into a private
+GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.restore.bulkcopy`, whose
+copy threads fault the mapping's pages in as they read), and the checksum is computed on the image
+(:mod:`checkpointd.restore.device_crc`, 3.3 ms for 4.83 GB on an H200). The upload runs on native threads
+holding no GIL where the C compiler built :mod:`checkpointd.native.upload` (49 GB/s against 35 through
+the Python bounce; the files' parses run beside it: RESULTS.md, session 34). The image is registered only
+once the file's checksum matched; the apply then fills the live tensors from it, device to device
+(``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
+exactly the bytes applied. Measured: RESULTS.md, sessions 29-30.
+
+The default (``CHECKPOINTD_RESTORE_VERIFY=device``; ``host`` checksums on the CPU as before): in a
+single-process restore (:func:`checkpointd.restore.step.restore_in_place`) into live CUDA tensors, for an
+uncompressed mapped file (tmpfs; :func:`checkpointd.restore.fastload.use_mmap`) of at least :data:`MIN_BYTES`,
+when the CRC kernels build or load (:mod:`checkpointd.native.cuda_rtc`: NVRTC, once per machine, ~20 ms; then
+~1 ms from the disk cache) and the GPU has room for the image and as many bytes again (a fresh
+optimizer's state is allocated by the apply) beside :func:`headroom_bytes`. Anywhere else, or when
+anything in the upload or the device checksum fails, the file is checksummed on the host: the bytes
+restored are the same either way, and a copy whose stored bytes lie outside every image (a dtype cast,
+a CPU tensor) takes the host path from the mapping.
+
+Session 29 built this on a Triton kernel and left it opt-in: Triton's first use cost a process 0.5-1.2 s,
+more than a resumed job's restore (the only one in its process) gained. With the NVRTC kernels (CRC of
+4.83 GB in 3.3 ms; building them 19-28 ms once per machine, loading them ~1 ms) it is the default:
+on H200 hosts (4.83 GB, tmpfs; RESULTS.md, session 30) a restore took 177 ms at best (median 184)
+against 182 (199) on the host in the same run, and a resumed job's restore (a fresh process) 251-276 ms
+against 268-420; on another host 189 against 191 ms warm, 260-339 against 314-395 fresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+logger = logging.getLogger("checkpointd")
+
+VERIFY_ENV = "CHECKPOINTD_RESTORE_VERIFY"
+MIN_BYTES = 1 << 20
+"""Smaller files are checksummed on the host: the upload's and the kernel's set-up outweigh the CPU pass."""
+HEADROOM_BYTES = 1 << 30
+HEADROOM_FRACTION = 0.05
+"""Free device memory left beside the image and the apply's own allocations: the larger of 1 GiB and 5 %
+of the device's memory (the training's first steps after a resume allocate their activations)."""
+
+
+def mode() -> str:
+    """``device`` (the default) or ``host`` from ``CHECKPOINTD_RESTORE_VERIFY``."""
+    value = os.environ.get(VERIFY_ENV, "device").strip().lower()
+    if value not in ("device", "host"):
+        raise ValueError(f"{VERIFY_ENV}={value!r}: expected 'host' (checksum on the CPU) or 'device' (on the GPU)")
+    return value
+
+
+@dataclass(eq=False)
+class DeviceImage:
+    """A copy of one mapped file on the device, found by the host addresses of the mapping."""
+
+    host: torch.Tensor
+    """The mapped file (1-D uint8). Held so that its addresses cannot be reused while the image lives."""
+    data: torch.Tensor
+    """The same bytes on the device."""
+
+    @property
+    def start(self) -> int:
+        return self.host.data_ptr()
+
+    @property
+    def end(self) -> int:
+        return self.host.data_ptr() + self.host.numel()
+
+
+@dataclass(eq=False)
+class _Restore:
+    device: torch.device
+    images: list[DeviceImage] = field(default_factory=list)
+    promised: int = 0
+    """Bytes of room kept for the apply's allocations of files uploaded so far (one file's size each)."""
+
+
+_lock = threading.Lock()
+_active: list[_Restore] = []
+stats: dict[str, int] = {"verified": 0, "verified_bytes": 0, "no_room": 0, "failed": 0, "copies": 0, "copy_bytes": 0}
+"""Counters since the process started (tests and benchmarks read them): files checksummed on the device
+and their bytes, files left to the host for want of device memory or after a failure in the upload or
+the device checksum, copies into live tensors taken from an image and their bytes."""
+
+
+def target_device(objects: Sequence[Any]) -> torch.device | None:
+    """The CUDA device of the first live tensor among ``objects`` (modules, optimizers, tensors), else None."""
+    for obj in objects:
+        for t in _tensors_of(obj):
+            if t.device.type == "cuda":
+                return t.device if t.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for group in obj.param_groups:
+            yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
+
+
+def _usable(device: torch.device) -> bool:
+    if mode() == "host":
+        return False
+    if device.type != "cuda":
+        return True  # a CPU "device": the bookkeeping's tests (the checksum then runs as torch ops)
+    from checkpointd.restore.device_crc import kernel_available
+
+    return kernel_available(device)  # built (or loaded from the disk cache) here, once per process
+
+
+@contextlib.contextmanager
+def verifying_on(device: torch.device | None) -> Iterator[None]:
+    """Within the block, mapped files read for a restore may be verified on ``device`` (None: never).
+
+    Every image made within the block is dropped on leaving it (also after a failure).
+    """
+    if device is None or not _usable(device):
+        yield
+        return
+    restore = _Restore(device)
+    with _lock:
+        _active.append(restore)
+    try:
+        yield
+    finally:
+        with _lock:
+            _active.remove(restore)
+        restore.images.clear()
+
+
+def drop_all() -> bool:
+    """Forget every registered image (their memory goes back to the allocator); True if there was one."""
+    with _lock:
+        had = any(r.images for r in _active)
+        for r in _active:
+            r.images.clear()
+    return had
+
+
+def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
+    """Upload the mapped file ``buf`` to the restore's device and checksum it there: ``(image, CRC-32)``.
+
+    None where that does not apply (no restore verifying on a device, a file below ``MIN_BYTES``, no room)
+    or anything failed (logged): the caller checksums on the host instead. The image is not usable
+    until :func:`register`-ed, which the caller does only once the CRC matched the manifest.
+    """
+    data = _allocate(buf)
+    if data is None:
+        return None
+    from checkpointd.restore import device_crc
+    from checkpointd.format.streams import byte_view
+
+    n = data.numel()
+    try:
+        if data.device.type == "cuda":
+            from checkpointd.restore.bulkcopy import upload_bytes
+
+            upload_bytes(data, buf)
+        else:  # a CPU "device" (tests)
+            data.copy_(buf)
+        tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device
+        crc = device_crc.crc32_of(data, host_tail=tail)  # the CUDA kernels (``_usable`` built them)
+    except Exception as exc:  # noqa: BLE001 - no pinned memory, a kernel failure: the host pass needs none of it
+        logger.warning("restore: verifying a %d-byte file on %s failed (%r); checksumming it on the host", n, data.device, exc)
+        with _lock:
+            stats["failed"] += 1
+        return None
+    with _lock:
+        stats["verified"] += 1
+        stats["verified_bytes"] += n
+    return DeviceImage(buf, data), crc
+
+
+def _allocate(buf: torch.Tensor) -> torch.Tensor | None:
+    """The device buffer for an image of ``buf`` where one applies and fits (see the module docstring)."""
+    with _lock:
+        restore = _active[-1] if _active else None
+    n = buf.numel()
+    if restore is None or buf.device.type != "cpu" or n < max(1, MIN_BYTES):
+        return None
+    with _lock:  # the room check and the allocation together: files read side by side both count
+        if not _has_room(restore, n):
+            stats["no_room"] += 1
+            return None
+        try:
+            data = torch.empty(n, dtype=torch.uint8, device=restore.device)
+        except torch.OutOfMemoryError:
+            stats["no_room"] += 1
+            return None
+        restore.promised += n
+    return data
+
+
+def _has_room(restore: _Restore, n: int) -> bool:
+    if restore.device.type != "cuda":
+        return True
+    free, total = torch.cuda.mem_get_info(restore.device)
+    return free - 2 * n - restore.promised >= headroom_bytes(total)
+
+
+def headroom_bytes(total: int) -> int:
+    """Device memory left free beside an image (see ``HEADROOM_BYTES``)."""
+    return max(HEADROOM_BYTES, int(HEADROOM_FRACTION * total))
+
+
+def register(image: DeviceImage | None) -> None:
+    """Make a verified image available to the apply of the restore in progress."""
+    if image is None:
+        return
+    with _lock:
+        for restore in _active:
+            if restore.device == image.data.device:
+                restore.images.append(image)
+                return
+
+
+def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Split byte-copy pairs ``(dst, src)`` (1-D uint8) into those whose ``src`` lies in an image on
+    ``device`` (returned with the image's bytes as source) and the rest (returned as they are)."""
+    with _lock:
+        images = [im for r in _active for im in r.images if im.data.device == device]
+    if not images:
+        return [], items
+    found, rest = [], []
+    for dst, src in items:
+        p, n = src.data_ptr(), src.numel()
+        image = next((im for im in images if im.start <= p and p + n <= im.end), None)
+        if image is None:
+            rest.append((dst, src))
+        else:
+            off = p - image.start
+            found.append((dst, image.data[off:off + n]))
+    with _lock:
+        stats["copies"] += len(found)
+        stats["copy_bytes"] += sum(d.numel() for d, _ in found)
+    return found, rest
+
+
+__all__ = ["DeviceImage", "VERIFY_ENV", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
+           "target_device", "verify", "verifying_on"]

@@ -1,0 +1,100 @@
+"""Shared-memory slabs for staging buffers, so the persist process can read the staged bytes.
+
+Why: the staged tensors of a save are written to their files by a separate process
+(:mod:`checkpointd.storage.persist_process`), so that neither the writing threads' Python nor their page faults
+share the training process's GIL and memory-map lock. That process needs the bytes without a copy: a
+staging arena is therefore allocated as a ``memfd`` (anonymous shared memory, not limited by the size
+of ``/dev/shm``), mapped here, page-locked as before (``cudaHostRegister`` works on any mapping), and
+mapped once more by the persist process from the descriptor it is sent.
+
+A process-wide registry maps addresses to slabs, so a byte range the writer holds (a ``memoryview`` of
+a staged tensor) can be named to the other process as ``(slab id, offset, length)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from checkpointd.storage import pagemem
+
+SHARED_STAGING_ENV = "CHECKPOINTD_PERSIST_PROCESS"
+"""``1`` (default where supported): stage into shared memory and persist from a separate process;
+``0``: stage into private memory and write from threads of the training process."""
+
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_starts: list[int] = []
+_slabs: list["SharedSlab"] = []
+
+
+def supported() -> bool:
+    """Shared staging needs ``memfd_create`` (Linux) and is on unless the environment turns it off."""
+    if os.environ.get(SHARED_STAGING_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
+
+
+class SharedSlab:
+    """``nbytes`` of shared memory: a ``memfd`` descriptor (kept for the persist process) and its mapping."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.id = next(_ids)
+        self.nbytes = nbytes
+        self.fd: int | None = os.memfd_create(f"checkpointd-staging-{self.id}", getattr(os, "MFD_CLOEXEC", 1))
+        try:
+            os.ftruncate(self.fd, nbytes)
+            # released in pieces when the last view dies (an arena replaced during training: pagemem)
+            self.mapping = pagemem.PiecewiseReleasedMap(self.fd, nbytes, flags=mmap.MAP_SHARED,
+                                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.address = int(self.array.ctypes.data)
+        with _lock:
+            i = bisect.bisect(_starts, self.address)
+            _starts.insert(i, self.address)
+            _slabs.insert(i, self)
+
+    def release(self) -> None:
+        """Forget the slab (the persist process is told to unmap it) and close its descriptor.
+
+        The mapping itself goes when the last tensor viewing it does.
+        """
+        with _lock:
+            if self in _slabs:
+                i = _slabs.index(self)
+                del _starts[i], _slabs[i]
+        if self.fd is not None:
+            from checkpointd.storage import persist_process
+
+            persist_process.forget_slab(self.id)
+            os.close(self.fd)
+            self.fd = None
+
+
+def locate(view: Any) -> tuple[SharedSlab, int] | None:
+    """``(slab, offset)`` of the bytes ``view`` (a buffer) spans, when they lie in one live slab."""
+    mv = memoryview(view)
+    if mv.nbytes == 0 or not mv.c_contiguous:
+        return None
+    address = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
+    with _lock:
+        i = bisect.bisect(_starts, address) - 1
+        if i < 0:
+            return None
+        slab = _slabs[i]
+    offset = address - slab.address
+    if offset + mv.nbytes > slab.nbytes or slab.fd is None:
+        return None
+    return slab, offset
+
+
+__all__ = ["SHARED_STAGING_ENV", "SharedSlab", "locate", "supported"]

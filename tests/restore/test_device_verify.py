@@ -1,0 +1,283 @@
+"""Verify on the device (``device_crc``, ``device_image``): the arithmetic and the bookkeeping, on the CPU.
+
+The GPU path (the NVRTC-built CUDA kernels, upload through pinned chunks, device-to-device apply) runs in
+``tests/gpu/test_device_verify_cuda.py``. Here the CRC runs as torch ops on CPU tensors, and an image's
+"device" is the CPU (the upload a plain copy), which exercises what must hold anywhere: the CRC equals
+zlib's, a file verified this way is usable only once its checksum matched, it is found by the host
+addresses of the mapped file, the restore drops it, and room, the switch and failures are honoured.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from checkpointd import CheckpointManager, commit
+from checkpointd.restore import device_crc
+from checkpointd.restore import device_image
+from checkpointd.restore import fastload
+from checkpointd.format import layout
+from checkpointd.restore import step as restore
+from checkpointd.restore import apply as restore_apply
+from checkpointd.errors import CorruptCheckpointError
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 5, 8 * 4096, 33 * 4096 + 4093, (1 << 20) + 3])
+def test_crc_by_lanes_and_a_tree_equals_zlib(n) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert device_crc.crc32_of(torch.from_numpy(data)) == zlib.crc32(data.tobytes())
+
+
+def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
+    """What ``device_crc.KERNEL_SOURCE``'s two kernels compute, step for step, from the very tables
+    ``_raw_cuda`` hands them: the lanes' slice-by-4 loop, then one combining round per level."""
+    levels = (lanes - 1).bit_length()
+    slice_tab, combine_tab = device_crc._tables_int32(levels, CPU)
+    assert slice_tab.dtype == combine_tab.dtype == torch.int32 and slice_tab.shape == (1024,)
+    assert combine_tab.shape == (levels, 1024)
+    t = slice_tab.numpy().view(np.uint32).reshape(4, 256)  # the kernel's __shared__ t[4][256]
+    words = body.numpy().view(np.uint32).reshape(lanes, device_crc.LANE_BYTES // 4)
+    c = np.zeros(lanes, dtype=np.uint32)
+    for k in range(words.shape[1]):
+        x = c ^ words[:, k]
+        c = t[3][x & 255] ^ t[2][(x >> 8) & 255] ^ t[1][(x >> 16) & 255] ^ t[0][x >> 24]
+    c = np.concatenate([np.zeros((1 << levels) - lanes, dtype=np.uint32), c])  # the leading zero lanes
+    for r in range(levels):
+        tab = combine_tab[r].numpy().view(np.uint32)
+        a, b = c[0::2], c[1::2]
+        c = tab[a & 255] ^ tab[256 + ((a >> 8) & 255)] ^ tab[512 + ((a >> 16) & 255)] ^ tab[768 + (a >> 24)] ^ b
+    return int(c[0])
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 5, 8, 13])
+def test_the_cuda_kernels_arithmetic_and_tables_equal_zlib(monkeypatch, lanes) -> None:
+    """The CUDA path's table layout and rounds, run in numpy (the kernels themselves: tests/gpu)."""
+    monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)
+    data = np.random.default_rng(lanes).integers(0, 256, lanes * 4096 + 77, dtype=np.uint8)
+    assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
+
+
+def test_crc_takes_the_tail_from_the_host_and_checks_its_length() -> None:
+    data = np.random.default_rng(1).integers(0, 256, 3 * 4096 + 10, dtype=np.uint8)
+    buf = torch.from_numpy(data)
+    tail = data.tobytes()[device_crc.tail_start(len(data)):]
+    assert len(tail) == 10
+    assert device_crc.crc32_of(buf, host_tail=tail) == zlib.crc32(data.tobytes())
+    wrong = bytearray(tail)
+    wrong[0] ^= 1
+    assert device_crc.crc32_of(buf, host_tail=bytes(wrong)) != zlib.crc32(data.tobytes())  # the tail counts
+    with pytest.raises(ValueError, match="host_tail"):
+        device_crc.crc32_of(buf, host_tail=tail[:-1])
+
+
+def test_crc_rejects_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="1-D uint8"):
+        device_crc.crc32_of(torch.zeros(8192, dtype=torch.int32))
+    with pytest.raises(ValueError, match="aligned"):
+        device_crc.crc32_of(torch.zeros(3 * 4096, dtype=torch.uint8)[1:])
+
+
+def test_one_changed_bit_anywhere_changes_the_crc() -> None:
+    data = np.random.default_rng(2).integers(0, 256, 9 * 4096, dtype=np.uint8)
+    base = device_crc.crc32_of(torch.from_numpy(data))
+    for pos in (0, 4095, 4096, 5 * 4096 + 17, len(data) - 1):
+        flipped = data.copy()
+        flipped[pos] ^= 0x80
+        assert device_crc.crc32_of(torch.from_numpy(flipped)) == zlib.crc32(flipped.tobytes()) != base
+
+
+def _saved(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        store = mgr._store
+    step_dir = layout.step_dir_name(1)
+    return store, step_dir, commit.read_committed_manifest(store, step_dir)
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _byte_pairs(contents):
+    """``(destination, stored bytes)`` for every stored tensor, as ``bulkcopy.copy_pairs`` builds them."""
+    return [(torch.empty(t.nbytes, dtype=torch.uint8), t.reshape(-1).view(torch.uint8))
+            for t in _tensors(contents) if t.numel()]
+
+
+@pytest.fixture
+def mapped(monkeypatch):
+    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setattr(device_image, "MIN_BYTES", 1)  # the test's files are small
+
+
+def test_a_verified_file_is_found_by_its_stored_bytes_until_the_restore_ends(tmp_path, mapped, monkeypatch) -> None:
+    store, step_dir, manifest = _saved(tmp_path)
+    host_checksums = []
+    monkeypatch.setattr(fastload, "_crc_task", lambda *a: host_checksums.append(a) or 0)
+    before = dict(device_image.stats)
+    with device_image.verifying_on(CPU):
+        contents = restore.read_step(store, step_dir, manifest)
+        assert device_image.stats["verified"] - before["verified"] == len(manifest.files)
+        assert host_checksums == []  # no file was checksummed on the host
+        pairs = _byte_pairs(contents)
+        found, rest = device_image.take_from_images(pairs, CPU)
+        assert len(found) == len(pairs) > 4 and rest == []
+        for (dst, src), (_, image_bytes) in zip(pairs, found):
+            assert image_bytes.data_ptr() != src.data_ptr()  # a copy, found by the source's address
+            assert torch.equal(image_bytes, src)
+    assert device_image.take_from_images(pairs, CPU) == ([], pairs)  # dropped with the restore
+
+
+def test_a_file_that_fails_its_checksum_leaves_no_image(tmp_path, mapped) -> None:
+    store, step_dir, manifest = _saved(tmp_path)
+    victim = max((tmp_path / step_dir).iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    before = device_image.stats["verified"]
+    with device_image.verifying_on(CPU):
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            restore.read_step(store, step_dir, manifest)
+        assert device_image.stats["verified"] > before  # it was checksummed on the "device" ...
+        registered = [im.host.numel() for r in device_image._active for im in r.images]
+        assert len(data) not in registered  # ... and never registered (the other files' images may be)
+
+
+def test_host_mode_and_no_restore_in_progress_verify_nothing_on_a_device(tmp_path, monkeypatch, mapped) -> None:
+    store, step_dir, manifest = _saved(tmp_path)
+    before = device_image.stats["verified"]
+    monkeypatch.delenv(device_image.VERIFY_ENV, raising=False)
+    assert device_image.mode() == "device"  # the default
+    restore.read_step(store, step_dir, manifest)  # no restore into device tensors (e.g. checkpointd.load)
+    assert device_image.stats["verified"] == before
+    monkeypatch.setenv(device_image.VERIFY_ENV, "host")
+    with device_image.verifying_on(CPU):
+        restore.read_step(store, step_dir, manifest)
+    assert device_image.stats["verified"] == before
+    monkeypatch.delenv(device_image.VERIFY_ENV)
+    with device_image.verifying_on(CPU):  # the default verifies on the device
+        restore.read_step(store, step_dir, manifest)
+    assert device_image.stats["verified"] > before
+    monkeypatch.setenv(device_image.VERIFY_ENV, "gpu")
+    with pytest.raises(ValueError, match="CHECKPOINTD_RESTORE_VERIFY"):
+        device_image.mode()
+
+
+def test_files_below_the_minimum_are_left_to_the_host(monkeypatch) -> None:
+    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    r = device_image._Restore(CPU)
+    device_image._active.append(r)
+    try:
+        buf = torch.arange(5000, dtype=torch.int32).view(torch.uint8)
+        assert buf.numel() < device_image.MIN_BYTES and device_image.verify(buf) is None
+        monkeypatch.setattr(device_image, "MIN_BYTES", 1)
+        image, crc = device_image.verify(buf)
+        assert crc == zlib.crc32(buf.numpy().tobytes()) and torch.equal(image.data, buf)
+    finally:
+        device_image._active.remove(r)
+
+
+def test_a_failure_on_the_device_leaves_the_file_to_the_host(tmp_path, mapped, monkeypatch) -> None:
+    store, step_dir, manifest = _saved(tmp_path)
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel failed (test)")
+
+    monkeypatch.setattr(device_crc, "crc32_of", broken)
+    before = dict(device_image.stats)
+    with device_image.verifying_on(CPU):
+        contents = restore.read_step(store, step_dir, manifest)  # checksummed on the host instead
+        assert device_image.take_from_images(_byte_pairs(contents), CPU)[0] == []
+    assert device_image.stats["failed"] - before["failed"] == len(manifest.files)
+    assert device_image.stats["verified"] == before["verified"]
+
+
+def test_a_source_outside_or_across_an_image_is_left_to_the_host_copy() -> None:
+    whole = torch.arange(200, dtype=torch.int64).to(torch.uint8)
+    host = whole[:100]
+    image = device_image.DeviceImage(host, host + 1)  # different bytes: shows where a source came from
+    restore_ = device_image._Restore(CPU, [image])
+    device_image._active.append(restore_)
+    try:
+        inside = (torch.empty(10, dtype=torch.uint8), host[10:20])
+        across = (torch.empty(20, dtype=torch.uint8), whole[90:110])
+        outside = (torch.empty(5, dtype=torch.uint8), whole[150:155])
+        found, rest = device_image.take_from_images([inside, across, outside], CPU)
+        assert [d for d, _ in found] == [inside[0]] and torch.equal(found[0][1], host[10:20] + 1)
+        assert rest == [across, outside]
+        assert device_image.take_from_images([inside], torch.device("meta")) == ([], [inside])  # another device
+    finally:
+        device_image._active.remove(restore_)
+
+
+def test_room_counts_the_image_the_apply_and_what_other_files_were_promised(monkeypatch) -> None:
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 80 * gib))
+    r = device_image._Restore(torch.device("cuda", 0))
+    assert device_image.headroom_bytes(80 * gib) == 4 * gib  # 5 % of the device
+    assert device_image._has_room(r, 8 * gib)  # 20 - 2 x 8 = 4 left
+    assert not device_image._has_room(r, 8 * gib + 1)
+    r.promised = 2 * gib
+    assert not device_image._has_room(r, 8 * gib)
+    assert device_image._has_room(r, 7 * gib)
+
+
+def test_an_apply_out_of_device_memory_runs_again_without_the_images(monkeypatch) -> None:
+    calls = []
+
+    def apply(entries, values):
+        calls.append(sum(len(r.images) for r in device_image._active))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(restore_apply, "apply_entries", apply)
+    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    host = torch.zeros(8, dtype=torch.uint8)
+    with device_image.verifying_on(CPU):
+        device_image.register(device_image.DeviceImage(host, host.clone()))
+        restore._apply([], {})
+    assert calls == [1, 0]
+    calls.clear()
+    with device_image.verifying_on(CPU), pytest.raises(torch.OutOfMemoryError):
+        restore._apply([], {})  # nothing to give back: the error stands
+    assert calls == [0]
+
+
+def test_only_cuda_state_asks_for_a_device() -> None:
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert device_image.target_device([model, opt, torch.zeros(2), {"plain": 1}]) is None
+
+
+@pytest.mark.parametrize("rounds_built", [1, 3, 24])
+def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_built) -> None:
+    """Round k's table depends on k alone: one table of ``ROUNDS_BUILT`` rounds serves every smaller file,
+    and a larger file gets its own."""
+    monkeypatch.setattr(device_crc, "ROUNDS_BUILT", rounds_built)
+    for levels in (1, 3, 5):
+        slice_tab, rounds = device_crc._tables_int32(levels, CPU)
+        assert rounds.shape == (levels, 1024)
+        want = device_crc._round_tables(levels).reshape(levels, 1024).view(np.int32)
+        assert np.array_equal(rounds.numpy(), want)
+    monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
+    data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
+    assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())

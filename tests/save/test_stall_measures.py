@@ -1,0 +1,261 @@
+"""What keeps the training thread's share of a save small, beyond the copy itself.
+
+- ``gcfreeze``: full garbage collections triggered by a save's objects must not walk the whole heap;
+- the writer pickles and lays out the files *before* waiting for the snapshot copies;
+- ``ptlayout.run_tasks(lanes=...)``: a file is written by a bounded number of threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from checkpointd import CheckpointManager
+from checkpointd.save import gcfreeze
+from checkpointd.storage import ptlayout
+from checkpointd import load
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+@pytest.fixture
+def gc_restored():
+    """Start with no manager holding a freeze (earlier tests may leave managers open) and leave the
+    collector as the test found it."""
+    enabled = gc.isenabled()
+    while gcfreeze.holders():
+        gcfreeze.release()
+    yield
+    while gcfreeze.holders():
+        gcfreeze.release()
+    gc.unfreeze()
+    if enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_manager_freezes_the_heap_until_the_last_manager_closes(tmp_path, gc_restored) -> None:
+    gc.unfreeze()
+    garbage = _Cycle()
+    dead = weakref.ref(garbage)
+    del garbage
+    m1 = CheckpointManager(str(tmp_path / "a"), {"model": _model()}, every_n_steps=1, compression=None)
+    assert dead() is None, "cyclic garbage alive at construction must be collected, not frozen"
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000, f"the heap was not frozen ({frozen} objects)"
+    m2 = CheckpointManager(str(tmp_path / "b"), {"model": _model()}, every_n_steps=1, compression=None)
+    assert gcfreeze.holders() == 2
+    m1.close()
+    assert gc.get_freeze_count() > frozen // 2, "one manager still open: the heap stays frozen"
+    m2.close()
+    assert gc.get_freeze_count() == 0 and gcfreeze.holders() == 0
+
+
+def test_freeze_gc_false_and_a_disabled_collector_are_left_alone(tmp_path, gc_restored) -> None:
+    gc.unfreeze()
+    with CheckpointManager(str(tmp_path / "a"), {"model": _model()}, every_n_steps=1, compression=None,
+                           freeze_gc=False):
+        assert gc.get_freeze_count() == 0 and gcfreeze.holders() == 0
+    gc.disable()
+    with CheckpointManager(str(tmp_path / "b"), {"model": _model()}, every_n_steps=1, compression=None):
+        assert gc.get_freeze_count() == 0, "the application manages its collector: do not freeze"
+        assert not gc.isenabled()
+    assert gc.get_freeze_count() == 0
+
+
+def test_objects_made_after_the_freeze_are_still_collected(tmp_path, gc_restored) -> None:
+    gc.unfreeze()
+    with CheckpointManager(str(tmp_path), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
+        garbage = _Cycle()
+        dead = weakref.ref(garbage)
+        del garbage
+        gc.collect()
+        assert dead() is None
+        assert mgr.maybe_save(1)
+
+
+def test_files_are_planned_before_the_copies_are_waited_for(tmp_path, monkeypatch) -> None:
+    """The committer pickles and lays out every file first; ``before_write`` (the copy wait) comes after."""
+    from checkpointd.save import writer as writer_mod
+
+    seen: list[tuple[str, int, int]] = []
+    orig_plan = writer_mod.BackgroundWriter.plan_job
+
+    def plan_job(self, job):
+        orig_plan(self, job)
+        seen.append(("planned", len(job.files), sum(f.image is not None for f in job.files)))
+        orig_before = job.before_write
+
+        def before_write():
+            seen.append(("before_write", len(job.files), 0))
+            orig_before()
+        job.before_write = before_write
+
+    monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, every_n_steps=1, compression=None) as mgr:
+        assert mgr.save(1) is None
+        mgr.wait()
+        stats = mgr.stats()
+    assert seen[0][0] == "planned" and seen[0][1] >= 2 and seen[0][2] == seen[0][1], seen
+    assert seen[1] == ("before_write", seen[0][1], 0), "the files were planned before the copy wait"
+    assert "plan_secs" in stats["last_save"]
+    state = load(str(tmp_path), 1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(state["model"][k], v)
+
+
+def _plan(job) -> None:
+    from checkpointd.save import writer as writer_mod
+
+    w = object.__new__(writer_mod.BackgroundWriter)  # plan_job needs no store for a job without files
+    writer_mod.BackgroundWriter.plan_job(w, job)
+
+
+def _job(plan_files, plan_when=None):
+    from checkpointd.save.writer import SaveJob
+
+    return SaveJob(step=1, step_dir="step_1", files=[], manifest=None, before_write=lambda: None,  # type: ignore[arg-type]
+                   after_files=lambda: None, plan_files=plan_files, plan_when=plan_when)
+
+
+def test_deferred_planning_waits_then_runs_at_a_short_gil_switch_interval(monkeypatch) -> None:
+    """A large CUDA snapshot's planning waits for ``plan_when`` (the training thread's next optimizer
+    step), then runs at ``PLAN_GIL_SWITCH_INTERVAL_SECS`` so the training thread gets the GIL back at
+    once when its wait for the GPU ends; the application's interval is put back. Without ``plan_when``
+    (small snapshots, CPU) planning starts at once and the interval is left alone."""
+    import sys
+
+    from checkpointd.save import writer as writer_mod
+
+    before = sys.getswitchinterval()
+    assert before > writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS
+    ready = threading.Event()
+    seen: list[tuple[str, float]] = []
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())),
+               lambda secs: seen.append(("waiting", secs)) or ready.wait(secs))
+    threading.Timer(0.2, ready.set).start()
+    _plan(job)
+    assert seen == [("waiting", writer_mod.PLAN_WAIT_SECS),
+                    ("planning", pytest.approx(writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS))], seen
+    assert 0.15 <= job.timings["plan_wait_secs"] < writer_mod.PLAN_WAIT_SECS
+    assert sys.getswitchinterval() == pytest.approx(before), "the application's interval is put back"
+
+    seen.clear()
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())))
+    _plan(job)
+    assert seen == [("planning", pytest.approx(before))] and "plan_wait_secs" not in job.timings
+
+    seen.clear()
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())), lambda secs: seen.append(("waiting", secs)))
+    job.fast = True  # a preemption save: its grace period is short, plan at once
+    _plan(job)
+    assert seen == [("planning", pytest.approx(before))]
+
+    seen.clear()
+    monkeypatch.setenv("CHECKPOINTD_PLAN_WAIT_SECS", "0")  # the benchmarks' switch back to planning at once
+    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())), lambda secs: seen.append(("waiting", secs)))
+    _plan(job)
+    assert seen == [("planning", pytest.approx(before))]
+
+
+def test_cpu_saves_plan_at_once(tmp_path) -> None:
+    """CPU tensors are copied inside ``maybe_save``: nothing to wait for, the job plans at once."""
+    with CheckpointManager(str(tmp_path), {"model": _model()}, every_n_steps=1, compression=None) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        assert "plan_wait_secs" not in mgr.stats()["last_save"]
+
+
+def test_run_tasks_lanes_bound_concurrency_and_keep_order() -> None:
+    live, peak = [0], [0]
+    lock = threading.Lock()
+
+    def task(i: int):
+        def run() -> int:
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            time.sleep(0.002)
+            with lock:
+                live[0] -= 1
+            return i * i
+        return run
+
+    out = ptlayout.run_tasks([task(i) for i in range(40)], lanes=3)
+    assert out == [i * i for i in range(40)]
+    assert 1 <= peak[0] <= 3, peak[0]
+
+
+def test_run_tasks_lanes_stop_after_a_failure() -> None:
+    ran: list[int] = []
+
+    def task(i: int):
+        def run() -> int:
+            ran.append(i)
+            if i == 2:
+                raise OSError("disk on fire")
+            time.sleep(0.001)
+            return i
+        return run
+
+    with pytest.raises(OSError, match="disk on fire"):
+        ptlayout.run_tasks([task(i) for i in range(200)], lanes=2)
+    assert len(ran) < 200, "tasks after the failure must not start"
+
+
+def test_write_lanes_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(ptlayout.WRITE_LANES_ENV, raising=False)
+    assert ptlayout.write_lanes() == 4
+    monkeypatch.setenv(ptlayout.WRITE_LANES_ENV, "1")
+    assert ptlayout.write_lanes() == 1
+    monkeypatch.setenv(ptlayout.WRITE_LANES_ENV, "junk")
+    assert ptlayout.write_lanes() == 4
+
+
+def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(tmp_path, monkeypatch) -> None:
+    """A GradScaler's scale lives in the training-state file: the model file is pickled ahead, once;
+    the training-state file after the copies, and the scale saved is the live one."""
+    import checkpointd.save.savejob as savejob_mod
+    import checkpointd.state as state_mod
+
+    def scaler_state_dict(scaler):  # as on CUDA: the scale is read from the staged copy, not with .item()
+        return {**scaler.state_dict(), "scale": state_mod.DeferredScalar(scaler._scale, float)}
+    monkeypatch.setattr(state_mod, "scaler_state_dict", scaler_state_dict)
+    calls = []
+    inner = savejob_mod.plan_pt
+
+    def plan_pt(tree, **kw):
+        calls.append(sorted(tree) if isinstance(tree, dict) else type(tree).__name__)
+        return inner(tree, **kw)
+    monkeypatch.setattr(savejob_mod, "plan_pt", plan_pt)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()  # the scale is now a tensor (a DeferredScalar)
+    scaler.step(opt)
+    scaler.update()
+    scale = scaler.get_scale()
+    with CheckpointManager(tmp_path, {"model": model, "optimizer": opt, "scaler": scaler}, compression=None) as mgr:
+        mgr.save(1)
+    files = [c for c in calls if c != "list"]  # "list": the staging buffers pre-pickled when prepared ahead
+    assert len(files) == 2, calls  # each file pickled exactly once
+    ckpt = torch.load(tmp_path / "step-000000001" / "checkpoint.0.1.pt", weights_only=True)
+    assert ckpt["scaler_state_dict"]["scale"] == scale
