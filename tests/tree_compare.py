@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from checkpointd.storage import recycle
 
 
 def assert_tree_equal(a: Any, b: Any, where: str = "", *, strides: bool = True) -> None:
@@ -27,3 +30,15 @@ def assert_tree_equal(a: Any, b: Any, where: str = "", *, strides: bool = True) 
             assert_tree_equal(x, y, f"{where}[{i}]", strides=strides)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def big_files(root) -> dict[str, os.stat_result]:
+    """Files under ``root`` large enough to be recycled, by path relative to ``root``."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.stat(p)
+            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
+                out[os.path.relpath(p, root)] = st
+    return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
-from test_recycle import _big_files
+from tree_compare import big_files
 
 from checkpointd import CheckpointManager
 from checkpointd.storage import recycle
@@ -37,7 +37,7 @@ class _Net(nn.Module):
 
 def _inodes(root: str) -> dict[str, int]:
     """Inode of every recyclable file under ``root`` (step directories and bin), by relative path."""
-    return {k: st.st_ino for k, st in _big_files(root).items()}
+    return {k: st.st_ino for k, st in big_files(root).items()}
 
 
 def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto", budget: int | None = None) -> Any:

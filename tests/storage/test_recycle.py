@@ -55,17 +55,6 @@ def _state(seed: float = 0.0, rows: int = 2048):
     return model
 
 
-def _big_files(root) -> dict[str, os.stat_result]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            st = os.stat(p)
-            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
-                out[os.path.relpath(p, root)] = st
-    return out
-
-
 def _digest(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -84,7 +73,7 @@ def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compress
                 model.weight.normal_()  # random: zstd keeps the file large
             mgr.maybe_save(step)
             mgr.wait()
-            files = _big_files(tmp_path)
+            files = big_files(tmp_path)
             steps = {k for k in files if k.startswith("step-")}
             seen_inodes.append({files[k].st_ino for k in steps})
             last = mgr.stats()["last_save"]
@@ -128,7 +117,7 @@ def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
         assert mgr.restore_latest() is None  # nothing yet; the staging buffers (and files) are prepared now
         made = _wait_for_files_ahead(mgr, 2)
         assert len(made) == 2 and all(n >= model.weight.nbytes for n in made)  # one file a save, two saves
-        blank = {st.st_ino: st.st_size for k, st in _big_files(tmp_path).items() if k.startswith(BIN)}
+        blank = {st.st_ino: st.st_size for k, st in big_files(tmp_path).items() if k.startswith(BIN)}
         assert len(blank) == 2 and all(os.stat(os.path.join(tmp_path, BIN, n)).st_blocks * 512 >= made[0]
                                        for n in os.listdir(tmp_path / BIN))  # reserved, not sparse
         if write_mode == "mmap":  # the persist process keeps them mapped, ahead of the first write
@@ -138,7 +127,7 @@ def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
                 model.weight.normal_()
             mgr.maybe_save(step)
             mgr.wait()
-            files = _big_files(tmp_path)
+            files = big_files(tmp_path)
             inodes.append({files[k].st_ino for k in files if k.startswith(f"step-{step:09d}")})
             assert torch.equal(load(tmp_path, step=step)["model"]["weight"], model.weight)
             assert os.path.getsize(_step_file(tmp_path, step)) < max(made)  # the exact size was set
@@ -403,10 +392,10 @@ def test_files_ahead_follow_the_optimizer_state_that_appears_after_the_first_pre
         made = _wait_for_files_ahead(mgr, 4)
         assert sorted(made) == sorted(mgr._files_ahead.made) and len(made) == 4
         assert sum(n >= 2 * model_size for n in made) == 2  # two saves' worth for the optimizer's file
-        blank = {st.st_ino for k, st in _big_files(tmp_path).items() if k.startswith(BIN)}
+        blank = {st.st_ino for k, st in big_files(tmp_path).items() if k.startswith(BIN)}
         mgr.maybe_save(0, force=True)
         mgr.wait()
-        saved = {k: st for k, st in _big_files(tmp_path).items() if k.startswith("step-")}
+        saved = {k: st for k, st in big_files(tmp_path).items() if k.startswith("step-")}
         assert len(saved) == 2 and {st.st_ino for st in saved.values()} <= blank  # both files were blank ones
     fresh = torch.nn.Linear(2048, 2048, bias=False)
     fresh_opt = torch.optim.Adam(fresh.parameters())
@@ -445,7 +434,7 @@ def test_a_file_much_larger_than_needed_is_left_for_a_larger_one(tmp_path):
 
 
 def _step_file(root, step: int) -> str:
-    (name,) = [k for k in _big_files(root) if k.startswith(f"step-{step:09d}/")]
+    (name,) = [k for k in big_files(root) if k.startswith(f"step-{step:09d}/")]
     return os.path.join(root, name)
 
 
