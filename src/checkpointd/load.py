@@ -59,7 +59,7 @@ def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
     with malformed_is_damage(store.display(step_dir)):
         contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
         if manifest.mode == "sharded":
-            from checkpointd.distributed.assemble import assemble_full_values  # sharded checkpoints: merge shards
+            from checkpointd.restore.assemble import assemble_full_values  # sharded checkpoints: merge shards
 
             return assemble_full_values(manifest, contents)
         return values_by_entry(manifest, contents)

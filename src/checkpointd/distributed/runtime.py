@@ -39,9 +39,9 @@ from checkpointd.rng import restore_rng
 from checkpointd.state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
 from checkpointd.storage.store import Store
 from checkpointd.save.writer import SaveJob
-from checkpointd.distributed.assemble import shard_file_name, sharded_values
+from checkpointd.restore.assemble import shard_file_name, sharded_values
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
-from checkpointd.distributed.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
+from checkpointd.format.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
 from checkpointd.distributed.state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
                           owner_module, plan_module, plan_optimizer)
 from checkpointd.distributed.statecache import LocalStates

@@ -24,7 +24,7 @@ import torch
 
 from checkpointd.errors import StateMismatchError
 from checkpointd.state import unwrap_module
-from checkpointd.distributed.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
+from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module")
 

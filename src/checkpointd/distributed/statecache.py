@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from checkpointd.errors import CheckpointError
-from checkpointd.distributed.sharding import is_dtensor
+from checkpointd.format.sharding import is_dtensor
 from checkpointd.distributed.state_dicts import is_fsdp1
 
 logger = logging.getLogger("checkpointd")

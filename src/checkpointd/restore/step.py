@@ -322,7 +322,7 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     with device_image.verifying_on(device):
         with malformed_is_damage(store.display(step_dir)):
             if sharded:
-                from checkpointd.distributed.assemble import assemble_full_values
+                from checkpointd.restore.assemble import assemble_full_values
 
                 contents = read_step(store, step_dir, manifest, rank=None)
                 values = assemble_full_values(manifest, contents)

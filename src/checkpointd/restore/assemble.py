@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.manifest import Manifest
-from checkpointd.distributed.sharding import ShardedLeaf, map_tree, materialize, path_key
+from checkpointd.format.sharding import ShardedLeaf, map_tree, materialize, path_key
 
 SHARD_DIR = "shards"
 
