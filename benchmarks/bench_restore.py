@@ -24,36 +24,31 @@ and the live tensors zeroed:
   both fresh-process rows note how many pages the host moved to its active list during each read
   (``pgactivate`` in ``/proc/vmstat``): the kernel activates a written page on its next access under a
   shared lock, and a read that does so pays for every page (H200, 4.83 GB: the raw read's first read
-  activated 1.18M pages and took 43 ms longer; checkpointd's mapped reads activated none; RESULTS.md,
-  session 21); the table gives ``checkpointd_cold`` against ``raw_cold``, first to first and best to best;
+  activated 1.18M pages and took 43 ms longer; checkpointd's mapped reads activated none); the table gives ``checkpointd_cold`` against ``raw_cold``, first to first and best to best;
 - checkpointd_phases: the uncompressed restore taken apart, to show where its time goes against the
   floor of a verify-first restore (every byte checked before any reaches a live tensor): "verified read"
-  (``restore.read_step``: map or read each file, checksum it, parse it), "apply" (``restore_apply.
-  apply_entries``: the copies into the live tensors, through pinned bounce chunks on CUDA) and their sum
+  (``checkpointd.restore.step.read_step``: map or read each file, checksum it, parse it), "apply"
+  (``checkpointd.restore.apply.apply_entries``: the copies into the live tensors) and their sum
   per repetition; on CUDA also "h2d from pinned", the same bytes copied into the live tensors from
   page-locked host copies (the DMA alone, the copy's floor);
 - checkpointd_hostverify / checkpointd_deviceverify: the uncompressed restore with every file
-  checksummed on the host (CHECKPOINTD_RESTORE_VERIFY=host, the behaviour before session 30) / with the
-  library's default said explicitly (=device: mapped files uploaded and checksummed on the GPU,
-  ``checkpointd.restore.device_image``), to compare the two in one run; checkpointd_cold_hostverify and
-  checkpointd_cold_deviceverify: the same as fresh processes (``checkpointd_cold``);
-- checkpointd_pyupload: the default restore with each file's upload for the device checksum through the
-  Python bounce (CHECKPOINTD_RESTORE_UPLOAD=python; the behaviour before session 34) instead of the native
-  upload (``checkpointd.native.upload``), which holds no GIL and lets the parses run beside it;
-- checkpointd_bounce / _pageable / _serial / _legacy / _nommap: the uncompressed restore again with
-  CHECKPOINTD_RESTORE_H2D (and CHECKPOINTD_RESTORE_MMAP) set, to compare the host->device strategies
-  in one run: --methods checkpointd,checkpointd_bounce,checkpointd_pageable,checkpointd_legacy
+  checksummed on the host (CHECKPOINTD_RESTORE_VERIFY=host) / with the library's default said explicitly
+  (=device: mapped files uploaded and checksummed on the GPU, ``checkpointd.restore.device_image``), to
+  compare the two in one run; checkpointd_cold_hostverify and checkpointd_cold_deviceverify: the same as
+  fresh processes (``checkpointd_cold``);
+- checkpointd_cold_python: ``checkpointd_cold`` without the package's native code (CHECKPOINTD_NATIVE=0
+  in the fresh process: the pure Python / NumPy paths), what a host without a C compiler gets.
 
 A timed restore that follows a manager's ``close()`` (each repetition of the ``checkpointd`` rows, the
 first of the phases) starts --settle-s (default 3 s on CUDA) after it: each restore_latest() prepares
 the staging arena for the saves that would follow (the state's size, page-locked in the background),
 and close() unpins and frees it; a restore begun right after that ran 20-100 ms slower (H200, 4.83 GB,
-five restores each: median 288 ms with 0.5 s between, 205 with 3 s, 190 with no arena made at all;
-RESULTS.md, session 29). A resumed job's restore follows no such teardown, so the rows wait it out
+five restores each: median 288 ms with 0.5 s between, 205 with 3 s, 190 with no arena made at all).
+A resumed job's restore follows no such teardown, so the rows wait it out
 rather than time it.
 
 Values are checked against checksums taken before saving ("ok" column). GB/s = state bytes / best time.
-Target (issue 6): restore_latest >= 0.7x raw.
+Target: restore_latest >= 0.7x raw.
 
 Run:  python benchmarks/bench_restore.py [--state-gb 5] [--dirs /dev/shm/x,/var/tmp/x] [--json out.json]
       python benchmarks/bench_restore.py --cpu --tiny
@@ -80,20 +75,14 @@ import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
                "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
-               "checkpointd_bounce", "checkpointd_pageable", "checkpointd_serial", "checkpointd_legacy", "checkpointd_nommap",
-               "checkpointd_pyupload"]
-STRATEGY_METHODS = {"checkpointd_pyupload": {"CHECKPOINTD_RESTORE_UPLOAD": "python"},
-                    "checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
-                    "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
-                    "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
-                    "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
-                    "checkpointd_bounce": {"CHECKPOINTD_RESTORE_H2D": "bounce"},
-                    "checkpointd_pageable": {"CHECKPOINTD_RESTORE_H2D": "pageable"},
-                    "checkpointd_serial": {"CHECKPOINTD_RESTORE_H2D": "serial"},
-                    "checkpointd_legacy": {"CHECKPOINTD_RESTORE_H2D": "legacy", "CHECKPOINTD_RESTORE_MMAP": "0"},
-                    "checkpointd_nommap": {"CHECKPOINTD_RESTORE_MMAP": "0"}}
-"""Extra checkpointd rows: the same restore with the library's restore knobs set (see bulkcopy.py and
-fastload.py); ``checkpointd`` itself runs with the defaults (auto), ``legacy`` is the per-entry path."""
+               "checkpointd_cold_python"]
+SWITCH_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+                  "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
+                  "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
+                  "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
+                  "checkpointd_cold_python": {"CHECKPOINTD_NATIVE": "0"}}
+"""Extra checkpointd rows: the same restore with a library switch set (``checkpointd.options``);
+``checkpointd`` itself runs with the defaults."""
 DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd", "checkpointd_cold",
                    "checkpointd_cold_hostverify", "checkpointd_phases"]
 
@@ -278,7 +267,7 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
         row["error"] = ckd
         return row
     compression = "zstd" if m.endswith("zstd") else None
-    knobs = STRATEGY_METHODS.get(m, {})
+    knobs = SWITCH_METHODS.get(m, {})
     if knobs:
         row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))
     if compression and not C.has_zstd():
@@ -333,7 +322,7 @@ def save_once(d: str, dev: C.Dev, model, opt, pristine) -> None:
 def bench_cold(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
     """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` variants): each repetition's
     restore_latest() in a fresh process (see the docstring)."""
-    knobs = STRATEGY_METHODS.get(m, {})
+    knobs = SWITCH_METHODS.get(m, {})
     row: dict[str, Any] = {"method": f"{m.replace('_cold', '')} restore_latest, fresh process", "kind": m,
                            "times_s": [], "notes": [" ".join(f"{k}={v}" for k, v in knobs.items())] if knobs else [],
                            "activated": []}
@@ -390,20 +379,14 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
     if isinstance(ckd, str):
         rows[0]["error"] = ckd
         return rows[:1]
-    from checkpointd import commit
-    from checkpointd.format import layout
-    from checkpointd.restore import step as restore
+    from checkpointd import commit  # noqa: PLC0415
+    from checkpointd.format import layout  # noqa: PLC0415
     from checkpointd.restore import apply as restore_apply  # noqa: PLC0415
-    try:
-        from checkpointd.restore import device_image  # noqa: PLC0415
+    from checkpointd.restore import device_image  # noqa: PLC0415
+    from checkpointd.restore import step as restore  # noqa: PLC0415
 
-        def verifying(entries):
-            return device_image.verifying_on(device_image.target_device([e.obj for e in entries]))
-    except ImportError:  # checkpointd before session 29: the host checksums every file
-        import contextlib
-
-        def verifying(entries):
-            return contextlib.nullcontext()
+    def verifying(entries):
+        return device_image.verifying_on(device_image.target_device([e.obj for e in entries]))
     d = os.path.join(root, "checkpointd_phases")
     try:
         save_once(d, dev, model, opt, pristine)

@@ -1,26 +1,26 @@
 """Training stall per checkpoint: checkpointd beside torch.save and DCP async_save, in the same process.
 
-Workload (performance issue 6): L transformer blocks of width D (LayerNorm, QKV projection, causal
+Workload: L transformer blocks of width D (LayerNorm, QKV projection, causal
 attention through F.scaled_dot_product_attention, 4x MLP), fp32 parameters, AdamW (fused on CUDA),
 bf16 autocast, batch B x sequence S. One checkpoint every EVERY steps, CKPTS checkpoints per method.
 
-Stall, defined (issue 6): per checkpoint, the sum over the save step and the 20 steps after it of
+Stall, defined: per checkpoint, the sum over the save step and the 20 steps after it of
 (step time - median step time of the `none` run of this same process). Every step ends with
 torch.cuda.synchronize(), so a step's wall time is its true cost. Reported: mean and min/max over the
 checkpoints, the first one included; the same sum with negative terms clipped to zero (``stall+``,
 biased up by noise, the reference script's definition); the time the save call itself blocked; the
 steady-state step time between checkpoints (outside the 21-step windows, while the background persist
 runs) as a ratio to the `none` run over the same steps; pinned host memory; checkpointd's stats().
-The target column says ``ok`` when the mean and the first checkpoint are within the target (the issue's
-definition: averaged over the checkpoints, the first one included) and names the max when any single
+The target column says ``ok`` when the mean and the first checkpoint are within the target (averaged
+over the checkpoints, the first one included) and names the max when any single
 checkpoint exceeds it.
 
-``checkpointd_host25`` sets ``host_staging_budget_bytes`` to 25 % of the state (issue 6): pinned memory
+``checkpointd_host25`` sets ``StagingOptions(host_budget_bytes=...)`` to 25 % of the state: pinned memory
 (``ckd pin GB``) stays at the budget and the stall is the price, about (state - budget) / write bandwidth
 minus one forward/backward; ``stats()`` reports the hooks' wait as ``staging_hook_wait_secs``.
 
 A method may carry environment settings for its run: ``METHOD@NAME=VALUE[+NAME=VALUE...]``, e.g.
-``io_only_reuse@CHECKPOINTD_PERSIST_THREADS=2``. They are set before the method's setup and put back
+``checkpointd@CHECKPOINTD_IO_THREADS=2`` or ``checkpointd@CHECKPOINTD_RECYCLE=0``. They are set before the method's setup and put back
 after it; the persist process is restarted on both sides, so settings it reads at start apply.
 
 Run:  python benchmarks/bench_stall.py [--state-gb 5] [--methods none,checkpointd,...] [--json out.json]
@@ -181,13 +181,12 @@ class Checkpointd(Saver):
             raise SkipMethod("zstandard is not installed")
         kw = dict(every_n_steps=self.b.every, keep_last=self.b.args.keep_last, compression=self.compression,
                   max_pending=self.b.args.max_pending)
-        kw.update(self.b.ckd_kwargs)
-        kw.update(extra)
+        kw = C.merge_kwargs(kw, self.b.ckd_kwargs, extra)
         t0 = time.perf_counter()
         self.mgr = C.make_manager(self.b.dir, {"model": self.b.model, "optim": self.b.opt}, notes=self.notes, **kw)
         self.b.dev.sync()
         self.setup_s = time.perf_counter() - t0
-        self.kw_used = {k: v for k, v in kw.items()}
+        self.kw_used = C.merge_kwargs(kw)
         self.nonsave_call_s: list[float] = []
 
     def save(self, step):
@@ -233,7 +232,7 @@ class CheckpointdDevice(Checkpointd):
 
 class CheckpointdHost25(Checkpointd):
     """Host staging budget of 25 % of the state: a fixed ring of pinned chunks instead of a state-sized
-    buffer; the optimizer step waits until the state streamed through it (the stall this costs)."""
+    buffer; the optimizer step waits while the state streams through it (the stall this costs)."""
 
     name = "checkpointd_host25"
     fraction = 0.25
@@ -241,12 +240,12 @@ class CheckpointdHost25(Checkpointd):
     def kwargs(self):
         budget = int(self.fraction * C.nbytes(C.state_tensors(self.b.model, self.b.opt)))
         self.notes.append(f"host budget {budget / 1e9:.2f} GB")
-        return {"host_staging_budget_bytes": budget}
+        return {"staging": {"host_budget_bytes": budget}}
 
 
 class CheckpointdThreads(Checkpointd):
     """checkpointd with the persist process turned off (``CHECKPOINTD_PERSIST_PROCESS=0``): staging in
-    private memory, files written by threads of the training process (the design before session 5)."""
+    private memory, files written by threads of the training process."""
 
     name = "checkpointd_threads"
 
@@ -574,7 +573,7 @@ class Bench:
             self.train_step()
         self.dev.sync()
 
-    # --- the copy-time floor of the issue's target -------------------------------------------------
+    # --- the copy-time floor of the stall target ----------------------------------------------------
     def floor(self, state_bytes: int) -> dict:
         out: dict[str, Any] = {}
         ts = []
@@ -672,7 +671,7 @@ class Bench:
                 if saves and step == saves[0] + WINDOW:  # untimed: after this step's clock stopped
                     mem_first = C.host_memory(self.dev)
                     stats_first = saver.peek_stats()
-                if saves and first_save is None and step > saves[0]:  # until the first save committed
+                if saves and first_save is None and step > saves[0]:  # while the first save is not yet committed
                     last = (saver.peek_stats() or {}).get("last_save") or {}  # untimed, as above
                     if last.get("step") is not None and last["step"] >= saves[0]:
                         first_save = last if last["step"] == saves[0] else {}  # {}: seen only after a later one
@@ -747,7 +746,7 @@ def analyse(runs: list[dict], every: int, steps: int) -> None:
         for s in r["saves"]:
             in_window.update(range(s - 1, s - 1 + WINDOW))
         outside = [j for j in range(1, len(st)) if j not in in_window]  # the first step is slow in every run
-        if outside:  # what the stall does not count: e.g. the staging arena's page-locking (RESULTS.md, session 17)
+        if outside:  # what the stall does not count: e.g. a one-time page-locking of staging buffers
             j = max(outside, key=lambda k: st[k])
             r["longest_outside_ms"], r["longest_outside_step"] = 1e3 * (st[j] - med), j + 1
         s0 = r["saves"][0] if r["saves"] else every  # before the first save: what preparing the buffers cost, spread or not
@@ -782,9 +781,8 @@ def adjacent_stalls(runs: list[dict], every: int, steps: int) -> None:
     """Score every run's windows against the `none` runs just before and after it (``stall_adjacent_ms``;
     on `none` runs ``placebo_adjacent_ms``, against the nearest other `none` runs).
 
-    Why: the issue's baseline is "the same run without checkpointing". When the loop's median step
-    wanders by several ms within a process (two-GPU FSDP2 runs: 46-72 ms in 30-step blocks of one `none`
-    run, session 25), one pooled median of `none` runs minutes away moves every 21-step window by up to
+    Why: the baseline is "the same run without checkpointing". When the loop's median step wanders by
+    several ms within a process (two-GPU FSDP2 runs: 46-72 ms in 30-step blocks of one `none` run), one pooled median of `none` runs minutes away moves every 21-step window by up to
     hundreds of ms. Interleaving the methods (``none,checkpointd,none,checkpointd,none``) and scoring each
     run against its neighbours turns that drift into noise that averages out over many checkpoints;
     :func:`interleaved_summary` gives the mean with its 95 % confidence interval, the placebo beside it."""
@@ -826,7 +824,7 @@ def interleaved_summary(runs: list[dict]) -> list[dict]:
     """Per method (repeats pooled: ``checkpointd`` and ``checkpointd#2`` together): every checkpoint's
     window against its run's neighbouring `none` runs (:func:`adjacent_stalls`) and against the window
     halfway to the next save (``paired``), as mean +- 95 % CI over all of them; `none` runs give the
-    placebo, the same estimator where no checkpoint was taken. Empty unless some method ran twice."""
+    placebo, the same estimator where no checkpoint is taken. Empty unless some method ran twice."""
     bases = [run_base(r["method"]) for r in runs]
     if not any(bases.count(b) > 1 and b != "none" for b in set(bases)):
         return []
@@ -873,7 +871,7 @@ LOCAL_BASE_STEPS = 20
 
 
 def paired_stalls(st: list[float], saves: list[int], every: int, med: float) -> list[float]:
-    """A diagnostic beside the issue's stall: each save's window minus a window of the same length
+    """A diagnostic beside the stall: each save's window minus a window of the same length
     halfway to the next save, in the same run. Drift between runs and a host's own stalls (the
     placebo) weigh on both alike and cancel on average; what the checkpoint costs after its window
     (nothing, once its writing is done) would too, so it needs ``every >= 2 * WINDOW`` (else [])."""
@@ -889,10 +887,10 @@ def paired_stalls(st: list[float], saves: list[int], every: int, med: float) -> 
 
 
 def local_stall(st: list[float], save: int) -> float:
-    """A diagnostic beside the issue's stall: the same window against the median of the 20 steps just
+    """A diagnostic beside the stall: the same window against the median of the 20 steps just
     before the save (which run no checkpoint work) instead of the `none` runs. A host's step time drifts
     by up to ~1 ms a step between runs a minute apart (21 steps: ~20 ms either way); this baseline is
-    blind to that drift, though not to noise within the window. Verdicts keep the issue's definition."""
+    blind to that drift, though not to noise within the window. Verdicts use the stall's definition."""
     before = st[max(2, save - 1 - LOCAL_BASE_STEPS):save - 1]
     if not before:
         return float("nan")
@@ -910,11 +908,11 @@ def persist_and_notes(r: dict, row: dict, width: int) -> None:
     the notes (errors first).
 
     Why the writes: a run's first saves find no retired files, and whether they found blank ones made
-    ahead decides how fast they write (session 25: 0.88-1.06 s for 2.42 GB a rank into reserved blank
-    files, 0.46-0.49 over retired ones)."""
+    ahead decides how fast they write (0.88-1.06 s for 2.42 GB a rank into reserved blank files, 0.46-0.49
+    over retired ones, on a 2x H200 host)."""
     if r.get("persist_s"):
         row["persist"] = C.fmt(sum(r["persist_s"]) / len(r["persist_s"]), ".2f")
-    first = (r.get("first_save") if "first_save" in r  # older JSON: the stats 20 steps after the first save
+    first = (r.get("first_save") if "first_save" in r  # JSON without it: the stats 20 steps after the first save
              else (r.get("stats_after_first_save") or {}).get("last_save")) or {}
     last = (r.get("stats") or {}).get("last_save") or {}
     if first.get("write_secs") is not None and last.get("write_secs") is not None:
@@ -937,8 +935,8 @@ def drift_warning(runs: list[dict]) -> str | None:
     """A warning when the loop's median step moved between the methods of this run, else None.
 
     Why: a stall sums 21 steps against the `none` runs' median, so a drift of d ms a step moves every
-    stall by ~21 d. Session 15's 0.45 GB run (RESULTS.md) drifted from 10.0 to 7.0 ms a step and back
-    within one process: its stalls came out negative. Slower medians are not flagged: persisting may
+    stall by ~21 d: a 0.45 GB run whose loop drifts from 10.0 to 7.0 ms a step and back within one
+    process gives negative stalls. Slower medians are not flagged: persisting may
     really slow the steps between checkpoints (the `steady x` column). The table still prints; this
     says not to read it as a verdict."""
     base = next((r["none_median_step_ms"] for r in runs if r.get("none_median_step_ms")), None)
@@ -965,10 +963,9 @@ def outside_warning(runs: list[dict]) -> str | None:
     """The methods with a step outside every stall window more than :data:`OUTSIDE_WARN_MS` above the
     `none` median (the first step of a run left out), else None.
 
-    Why: the issue's stall counts the save step and the 20 after it. A cost paid elsewhere, once (the
-    staging buffers page-locked "ahead" held the training thread for 1.7-2.8 s at step 2 of every
-    checkpointd run; RESULTS.md, session 17) or between checkpoints, is in no stall number; the steady
-    column averages it away."""
+    Why: the stall counts the save step and the 20 after it. A cost paid elsewhere, once (staging
+    buffers page-locked on the training thread at step 2 would hold it for 1.7-2.8 s at 4.83 GB) or
+    between checkpoints, is in no stall number; the steady column averages it away."""
     hits = [(r["method"], r["longest_outside_ms"], r["longest_outside_step"]) for r in runs
             if r.get("longest_outside_ms", 0.0) > OUTSIDE_WARN_MS]
     if not hits:
@@ -1014,7 +1011,7 @@ def summarise(res: dict) -> str:
                 if base.startswith("checkpointd_host"):
                     tgt = None  # a host budget trades stall for memory: ~(state - budget) / write bandwidth
                 verdict = []
-                if tgt is not None:  # issue 6: the mean over the checkpoints, and the first one too
+                if tgt is not None:  # the mean over the checkpoints, and the first one too
                     verdict.append(f"{'ok' if mean <= tgt and s[0] <= tgt else 'MISS'} <= {tgt:.0f}ms"
                                    f"{'' if max(s) <= tgt else f' (max {max(s):.0f})'}")
                 if dcp_stall and dcp_stall > 0 and mean > 0 and base not in ("checkpointd_device", "checkpointd_host25"):

@@ -1,7 +1,7 @@
 """Training stall per checkpoint on N ranks (FSDP2, sharded checkpoints), per rank; run under torchrun.
 
-Performance issue 6: "on two GPUs (FSDP2, sharded mode) the per-rank stall about that of one GPU with half
-the state". This is ``bench_stall.py``'s measurement, unchanged, on every rank of a ``torchrun`` job:
+The target: on two GPUs (FSDP2, sharded mode) the per-rank stall is about that of one GPU with half the
+state. This is ``bench_stall.py``'s measurement, unchanged, on every rank of a ``torchrun`` job:
 
 - workload: ``bench_stall``'s, identical for a given ``D, L, B, S`` (``common.make_model``: L transformer
   blocks of width D, fp32 parameters, AdamW fused on CUDA, bf16 autocast, input B x S x D per rank),
@@ -12,7 +12,7 @@ the state". This is ``bench_stall.py``'s measurement, unchanged, on every rank o
   step also synchronizes before the save call, so the call is timed alone). Each rank times its own steps;
   nothing in the timed loop synchronizes ranks except what training does (FSDP's all-gathers and
   reduce-scatters); barriers on a gloo group separate the methods only;
-- stall, defined (issue 6): per checkpoint, the sum over the save step and the 20 steps after it of (step
+- stall, defined: per checkpoint, the sum over the save step and the 20 steps after it of (step
   time - median step time of this rank's own ``none`` runs, pooled); mean, min, max over the checkpoints,
   the first included (``bench_stall.analyse``, per rank).
 
@@ -33,7 +33,7 @@ steady-state ratio (``steady x``: mean step time between checkpoints / ``none`` 
 save call's time (``save ms`` mean, ``save 1st``), the median step time; with ``--json`` it writes every
 rank's step times, saves, stalls and checkpointd ``stats()`` plus ``stall_by_rank``.
 
-**The comparison (issue 6)** is ``bench_stall.py`` on one GPU with half the state: ``--state-gb`` = half of
+**The comparison** is ``bench_stall.py`` on one GPU with half the state: ``--state-gb`` = half of
 this run's (``--state-gb 5`` here on 2 GPUs, D=2048 L=8, against ``--state-gb 2.5`` there, D=2048 L=4,
 the same per-GPU state and batch). The exact single-GPU command (``--D/--L`` with L/N layers) is printed in
 the header; pass its JSON with ``--ref-json`` to get its rows (``1gpu``) and the ``x 1gpu`` column (this
@@ -49,7 +49,7 @@ Run (2 GPUs, NCCL for training, each rank on cuda:LOCAL_RANK; the checkpoint dir
         --methods $M --dir /dev/shm/ckd-dist --ref-json stall_1gpu.json --json stall_dist.json
 
 Why interleaved (``checkpointd`` three times between ``none`` runs): the two-GPU loop's median step
-wanders by several ms within the process (46-72 ms in 30-step blocks of one ``none`` run, session 25),
+wanders by several ms within the process (46-72 ms in 30-step blocks of one ``none`` run on 2x H200),
 so one pooled baseline biases a 21-step window by up to hundreds of ms. The ``interleaved`` lines under
 the table score each window against the ``none`` runs beside its run and give the mean with its 95 %
 confidence interval, the placebo beside it (``bench_stall.interleaved_summary``); ``paired`` there is
@@ -306,7 +306,7 @@ def summarise(res: dict) -> str:
 
 def drift_warnings(res: dict) -> list[str]:
     """``bench_stall.drift_warning`` for each rank's runs: FSDP2 loops drift more than one GPU's
-    (session 16: the median step moved between 44.3 and 51.9 ms within one run)."""
+    (on 2x H200 the median step can move between 44.3 and 51.9 ms within one run)."""
     return [f"rank {rk['rank']}: {w}" for rk in res.get("ranks", []) if (w := S.drift_warning(rk["runs"]))]
 
 
@@ -366,9 +366,9 @@ def main(argv=None):
         return _main(args, ctx, prefault)
     finally:
         # The persist process is shut down here, not by its atexit hook: with an `io_only*` method (which
-        # drives it directly) as its last user on gloo, leaving it to that hook aborted both ranks in the
-        # interpreter's teardown, after every atexit handler had run ("terminate called without an
-        # active exception"; CPU VM, torch 2.13; not seen on the GPU hosts). Cause not isolated.
+        # drives it directly) as its last user on gloo, leaving it to that hook can abort both ranks in the
+        # interpreter's teardown, after every atexit handler ran ("terminate called without an active
+        # exception"; CPU, torch 2.13).
         from checkpointd.storage import persist_process  # noqa: PLC0415
 
         persist_process.shutdown()

@@ -1,13 +1,15 @@
 """Shared scaffolding for the checkpointd benchmarks (not library code).
 
 Everything a benchmark needs besides its own measurement loop: device and synchronisation, the
-reference workload of the performance issue (transformer blocks with LayerNorm, QKV, causal attention,
-4x MLP; fp32 parameters; AdamW), a state builder of a given size, the host-memory probes, the
-feature-detecting checkpointd constructor, plain-text tables and JSON output.
+reference workload (transformer blocks with LayerNorm, QKV, causal attention, 4x MLP; fp32 parameters;
+AdamW), a state builder of a given size, the host-memory probes, the checkpointd constructor, plain-text
+tables and JSON output.
 
-The benchmarks use only checkpointd's public API (SPEC section 1). Extra constructor keyword arguments
-(a device-staging option, a host budget, ...) are passed through from ``--ckd-kwargs`` and dropped
-with a printed note if the constructor does not accept them.
+The benchmarks use checkpointd's public API. Extra constructor keyword arguments come from
+``--ckd-kwargs`` as JSON; the grouped options are given as objects (``{"staging": {"device_budget_bytes":
+N}}``, ``{"io": {...}}``, ``{"distributed": {...}}``) and become ``checkpointd.StagingOptions``,
+``IOOptions`` and ``DistributedOptions`` (:func:`manager_kwargs`). An argument the constructor does not
+accept is dropped with a printed note.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def env_info(dev: Dev) -> dict:
     if not isinstance(ckd, str):
         from checkpointd.codecs import crc  # noqa: PLC0415
 
-        # restores and compressed saves checksum every byte: zlib's CRC-32 makes both slower (RESULTS.md, session 14)
+        # restores and compressed saves checksum every byte: zlib's CRC-32 (~4 GB/s a core) makes both slower
         info["crc32"] = crc.CRC32_IMPLEMENTATION
     return info
 
@@ -87,10 +89,10 @@ def prefault_host_memory(spec: str | None, dev: Dev) -> dict:
     """Write to most of the host's free memory once, then free it, before anything is timed.
 
     Why: on a freshly started VM the first write to each page of guest memory is slow (the
-    hypervisor maps it in). On an H200 lease (RESULTS.md, session 15) never-touched memory was
-    written at 4.7-5.3 GiB/s and the same amount touched again at 18.5-20.1 GiB/s, and a stall run
-    started in a lease's first minutes measured 53-86 ms a checkpoint for writing the files alone
-    (``io_only_reuse``) against -0.2-4.0 ms for the same method later in that run. Whichever method
+    hypervisor maps it in). On an H200 host never-touched memory is written at 4.7-5.3 GiB/s and the
+    same amount touched again at 18.5-20.1 GiB/s, and a stall run started in a host's first minutes
+    measures 53-86 ms a checkpoint for writing the files alone (``io_only_reuse``) against -0.2-4.0 ms
+    for the same method later in that run. Whichever method
     runs first (baseline or checkpointd) pays for the pages it touches first, so the comparison
     would depend on the order. ``spec``: GiB to touch, ``auto`` (the default on CUDA: 75 % of
     ``MemAvailable``, 1 GiB blocks held until the end) or ``0`` (the default on CPU: skip).
@@ -139,11 +141,11 @@ def env_str(name: str, default: str | None) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# reference workload (performance issue 6)
+# reference workload
 
 
 class Block(nn.Module):
-    """One transformer block: LayerNorm, QKV projection, causal attention, 4x MLP (as the reference)."""
+    """One transformer block: LayerNorm, QKV projection, causal attention, 4x MLP."""
 
     def __init__(self, d: int, device: Any = None):
         super().__init__()
@@ -172,7 +174,7 @@ def state_bytes_for(d: int, layers: int) -> int:
 # --state-gb presets: about 0.5 / 5 / 20 GB of fp32 AdamW state (params + two moments).
 STATE_PRESETS = {
     0.5: (1024, 3),   # 0.45 GB
-    5.0: (2048, 8),   # 4.83 GB  (the issue's reference workload)
+    5.0: (2048, 8),   # 4.83 GB  (the reference workload)
     20.0: (2048, 33),  # 19.9 GB
 }
 
@@ -282,9 +284,9 @@ VMSTAT_PREFIXES = ("allocstall",)
 class StepCounters:
     """Kernel counters sampled between training steps: what the host did during each step (Linux).
 
-    Why: device staging's stall misses its target in runs where a checkpoint draws a burst of 20-76 ms
-    in the steps while its files are written, and the writing alone (no library code in the training
-    process) draws them about as often (RESULTS.md, session 16). Per step this records the training
+    Why: a checkpoint's files being written can draw bursts of 20-76 ms in the training steps beside
+    them, and the writing alone (no library code in the training process) draws them about as often.
+    Per step this records the training
     thread's time runnable but waiting for a CPU (``/proc/thread-self/schedstat``), its involuntary and
     voluntary context switches, the process's minor faults and CPU time (all its threads: the library's
     own threads in the training process show here), the host's interrupts, context switches and TLB
@@ -418,7 +420,7 @@ def host_memory(dev: Dev) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# checkpointd, through its public API only
+# checkpointd, through its public API
 
 
 def try_import_checkpointd() -> Any:
@@ -452,8 +454,41 @@ def manager_params() -> tuple[set[str], bool]:
     return names, var_kw
 
 
+OPTION_GROUPS = {"staging": "StagingOptions", "io": "IOOptions", "distributed": "DistributedOptions"}
+"""Constructor arguments that take a grouped options object, and the checkpointd class of each."""
+
+
+def merge_kwargs(*parts: dict) -> dict:
+    """Keyword arguments in plain form (option groups as dicts), later parts winning; the fields of an
+    option group are merged (``{"staging": {"freeze_gc": False}}`` and ``{"staging": {"host_budget_bytes":
+    N}}`` give both)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k in OPTION_GROUPS and isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = {**out[k], **v}
+            else:
+                out[k] = dict(v) if k in OPTION_GROUPS and isinstance(v, dict) else v
+    return out
+
+
+def manager_kwargs(kwargs: dict) -> dict:
+    """``kwargs`` with each option group given as a dict turned into its checkpointd options object."""
+    ckd = require_checkpointd()
+    out = {}
+    for k, v in kwargs.items():
+        if k in OPTION_GROUPS and isinstance(v, dict):
+            cls = getattr(ckd, OPTION_GROUPS[k], None)
+            if cls is None:
+                raise RuntimeError(f"checkpointd has no {OPTION_GROUPS[k]} for the {k!r} options {v!r}")
+            v = cls(**v)
+        out[k] = v
+    return out
+
+
 def make_manager(root: str, state: dict, *, notes: list[str] | None = None, **kwargs: Any) -> Any:
-    """CheckpointManager(root, state, **kwargs), dropping keyword arguments it does not accept (noted)."""
+    """CheckpointManager(root, state, **kwargs), option groups given as dicts (:func:`manager_kwargs`),
+    dropping keyword arguments it does not accept (noted)."""
     ckd = require_checkpointd()
     names, var_kw = manager_params()
     use = {}
@@ -462,19 +497,11 @@ def make_manager(root: str, state: dict, *, notes: list[str] | None = None, **kw
             use[k] = v
         elif notes is not None:
             notes.append(f"CheckpointManager has no argument {k!r}; dropped")
-    return ckd.CheckpointManager(root, state, **use)
+    return ckd.CheckpointManager(root, state, **manager_kwargs(use))
 
 
-# Argument names a device-staging option might take; the first the constructor accepts is used when
-# --device-kwargs is not given. Values: what to pass.
-DEVICE_STAGING_CANDIDATES: list[tuple[str, Any]] = [
-    ("device_staging_budget_bytes", 64 << 30),  # checkpointd's own name: a GPU memory budget (64 GiB here)
-    ("staging", "device"),
-    ("device_staging", True),
-    ("stage_on_device", True),
-    ("staging_device", "cuda"),
-    ("gpu_staging", True),
-]
+DEVICE_STAGING = {"staging": {"device_budget_bytes": 64 << 30}}
+"""The keyword arguments that turn on device staging: a GPU memory budget (64 GiB here)."""
 
 
 def device_staging_kwargs(explicit: dict | None) -> tuple[dict | None, str]:
@@ -482,12 +509,11 @@ def device_staging_kwargs(explicit: dict | None) -> tuple[dict | None, str]:
     if explicit:
         return explicit, f"device staging via --device-kwargs {json.dumps(explicit)}"
     names, _ = manager_params()
-    for k, v in DEVICE_STAGING_CANDIDATES:
-        if k in names:
-            return {k: v}, f"device staging via {k}={v!r} (detected)"
-    return None, ("CheckpointManager has no device-staging argument (looked for "
-                  + ", ".join(k for k, _ in DEVICE_STAGING_CANDIDATES)
-                  + "); pass --device-kwargs '{\"name\": value}' to name it")
+    if "staging" not in names or not hasattr(require_checkpointd(), OPTION_GROUPS["staging"]):
+        return None, ("CheckpointManager has no staging=StagingOptions(...) argument; pass --device-kwargs "
+                      "'{\"name\": value}' to name the device-staging option")
+    budget = DEVICE_STAGING["staging"]["device_budget_bytes"]
+    return merge_kwargs(DEVICE_STAGING), f"device staging via staging.device_budget_bytes={budget}"
 
 
 def safe_stats(mgr: Any) -> dict:
@@ -689,7 +715,7 @@ def timed(fn: Callable[[], Any], dev: Dev | None = None) -> tuple[float, Any]:
 
 @contextlib.contextmanager
 def env_set(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables (a library knob a benchmark row compares) and put them back after."""
+    """Set environment variables (a library switch a benchmark row compares) and put them back after."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -1,11 +1,12 @@
 """Write ``docs/performance.md`` from the JSON that ``run_gpu.sh`` leaves in ``$OUT``.
 
-    python benchmarks/perf_doc.py --out docs/performance.md "after=OUT_DIR@COMMIT" ["before=OUT_DIR@COMMIT" ...]
+    python benchmarks/perf_doc.py --out docs/performance.md "LABEL=OUT_DIR@COMMIT" ["LABEL=OUT_DIR@COMMIT" ...]
 
 Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``; ``COMMIT`` is the commit
-whose code ran. For each benchmark the document gets one headline table (checkpointd beside
-``torch.save`` and ``async_save``, every run given side by side) and, per run, the table the benchmark
-itself printed, with the card, date and command.
+whose code ran; ``LABEL`` names the run (e.g. the card). For each benchmark the document gets one table:
+the workload, card, commit and command of each run above it, then checkpointd's rows beside
+``torch.save`` and ``torch.distributed.checkpoint.async_save`` (restore: ``torch.load``), the runs side
+by side. ``benchmarks/results/`` holds the JSON of the numbers the document quotes.
 """
 
 from __future__ import annotations
@@ -15,45 +16,74 @@ import json
 import os
 from typing import Any
 
-STALL_ROWS = ("checkpointd", "checkpointd_device", "checkpointd_zstd", "copy_only", "dcp_async", "torch_save", "none")
-RESTORE_ROWS = ("raw read x 16 thr", "checkpointd restore_latest", "checkpointd restore_latest, fresh process",
-                "checkpointd_hostverify restore_latest", "checkpointd_zstd restore_latest",
-                "torch_load + load_state_dict")
+STALL_ROWS = (
+    ("checkpointd", "`CheckpointManager(..., compression=None)`, `maybe_save(step)` every step"),
+    ("checkpointd_device", "the same with device staging (`StagingOptions(device_budget_bytes=...)`)"),
+    ("checkpointd_zstd", "the same with `compression=\"zstd\"`"),
+    ("copy_only", "floor: the device-to-host copy alone, nothing written"),
+    ("dcp_async", "`torch.distributed.checkpoint.async_save`"),
+    ("torch_save", "`torch.save` in the loop"),
+    ("none", "no checkpoint: the same windows (the host's own noise)"),
+)
+RESTORE_ROWS = (
+    ("raw read x 16 thr", "the same bytes read by 16 threads (the ceiling)"),
+    ("checkpointd restore_latest", "`restore_latest()` into the live tensors, verified on the GPU"),
+    ("checkpointd restore_latest, fresh process", "the same as a resumed job's first restore"),
+    ("checkpointd_hostverify restore_latest", "the same, checksummed on the host"),
+    ("checkpointd_zstd restore_latest", "a `compression=\"zstd\"` checkpoint"),
+    ("torch_load + load_state_dict", "`torch.load` and `load_state_dict`"),
+)
 
 
 def _load(run_dir: str, name: str) -> dict[str, Any] | None:
     path = os.path.join(run_dir, f"{name}.json")
-    return json.load(open(path)) if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
-def _stall_headline(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    head = "| method | " + " | ".join(f"{label}: stall ms, mean ± 95% CI [min, max]" for label, _ in runs) + " |"
-    lines = [head, "|---|" + "---|" * len(runs)]
-    for method in STALL_ROWS:
-        cells = []
-        for _, doc in runs:
-            row = next((r for r in doc.get("interleaved", []) if r["method"] == method), None)
-            cells.append("-" if row is None else
-                         f"{row['mean_ms']:.1f} ± {row['ci95_ms']:.1f} [{row['min_ms']:.1f}, {row['max_ms']:.1f}]")
-        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
-    return lines
+def _stall_workload(doc: dict[str, Any]) -> str:
+    w = doc.get("workload", {})
+    return (f"{w.get('L', '?')} transformer blocks of width {w.get('D', '?')}, batch {w.get('B', '?')} x "
+            f"{w.get('S', '?')}, AdamW: {w.get('state_bytes', 0) / 1e9:.2f} GB of state in {w.get('tensors', '?')} "
+            f"tensors; {w.get('ckpts', '?')} checkpoints every {w.get('every', '?')} steps to {w.get('dir_fs', '?')}")
 
 
-def _restore_headline(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    head = "| method | " + " | ".join(f"{label}: best s (median s), GB/s" for label, _ in runs) + " |"
-    lines = [head, "|---|" + "---|" * len(runs)]
-    for method in RESTORE_ROWS:
-        cells = []
-        for _, doc in runs:
-            rows = [r for d in doc.get("dirs", []) for r in d.get("rows", [])]
-            row = next((r for r in rows if r["method"] == method), None)
-            if row is None or not row.get("times_s"):
-                cells.append("-")
-                continue
-            times = sorted(row["times_s"])
-            cells.append(f"{times[0]:.3f} ({times[len(times) // 2]:.3f}), {row['GBps']:.1f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
+def _restore_workload(doc: dict[str, Any]) -> str:
+    w = doc.get("state", {})
+    fs = next((d.get("fs") for d in doc.get("dirs", [])), "?")
+    return (f"{w.get('state_bytes', 0) / 1e9:.2f} GB of fp32 parameters and AdamW moments in {w.get('tensors', '?')} "
+            f"tensors, live on {w.get('state_on', '?')}, read from {fs}")
+
+
+def _stall_cell(doc: dict[str, Any], method: str) -> str:
+    row = next((r for r in doc.get("interleaved", []) if r["method"] == method), None)
+    if row is None:
+        return "-"
+    return f"{row['mean_ms']:.1f} ± {row['ci95_ms']:.1f} [{row['min_ms']:.1f}, {row['max_ms']:.1f}]"
+
+
+def _restore_cell(doc: dict[str, Any], method: str) -> str:
+    rows = [r for d in doc.get("dirs", []) for r in d.get("rows", [])]
+    row = next((r for r in rows if r["method"] == method), None)
+    if row is None or not row.get("times_s"):
+        return "-"
+    times = sorted(row["times_s"])
+    return f"{times[0]:.3f} ({times[len(times) // 2]:.3f}), {row['GBps']:.1f}"
+
+
+BENCHMARKS = (
+    ("stall", "Training stall per checkpoint",
+     "Stall: per checkpoint, the sum over the save step and the 20 steps after it of the step's time minus "
+     "the median step of the runs without checkpoints; each window scored against the `none` runs beside "
+     "its run, mean ± 95 % confidence interval [min, max] over the checkpoints, in ms "
+     "(`benchmarks/README.md`).", "stall ms", _stall_workload, _stall_cell, STALL_ROWS),
+    ("restore_tmpfs", "Restore from tmpfs into live CUDA tensors",
+     "Best time of the repetitions (median in brackets) and GB/s of the best; the page cache dropped and "
+     "the live tensors zeroed before each.", "best s (median s), GB/s", _restore_workload, _restore_cell,
+     RESTORE_ROWS),
+)
 
 
 def main() -> None:
@@ -65,23 +95,27 @@ def main() -> None:
     for spec in args.runs:
         label, rest = spec.split("=", 1)
         run_dir, _, commit = rest.partition("@")
-        parsed.append((f"{label} ({commit})" if commit else label, run_dir))
+        parsed.append((label, run_dir, commit or "?"))
     out = ["# Performance", "",
-           "Current numbers of the benchmarks in `benchmarks/`, written by `benchmarks/perf_doc.py` from the JSON",
-           "of `benchmarks/run_gpu.sh`. Each table gives the runs side by side; the commit in each label is the",
-           "code that ran. Absolute times are from the card named under each table.", ""]
-    for name, title, headline in (("stall", "Training stall per checkpoint", _stall_headline),
-                                  ("restore_tmpfs", "Restore from tmpfs into live CUDA tensors", _restore_headline)):
-        runs = [(label, doc) for label, d in parsed if (doc := _load(d, name)) is not None]
+           "The numbers of the benchmarks in `benchmarks/` (`benchmarks/run_gpu.sh` on a CUDA host), written by",
+           "`benchmarks/perf_doc.py` from the JSON in `benchmarks/results/`. checkpointd runs in the same process,",
+           "on the same card and target, beside `torch.save` and `torch.distributed.checkpoint.async_save`.", ""]
+    for name, title, meaning, unit, workload, cell, rows in BENCHMARKS:
+        runs = [(label, commit, doc) for label, d, commit in parsed if (doc := _load(d, name)) is not None]
         if not runs:
             continue
-        out += [f"## {title}", ""] + headline(runs) + [""]
-        for label, doc in runs:
+        out += [f"## {title}", ""]
+        for label, commit, doc in runs:
             info = doc.get("info", {})
-            out += [f"### {label}", "",
-                    f"{info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch {info.get('torch', '?')}, "
-                    f"{info.get('date', '?')}; command: `{info.get('command', '?')}`", "",
-                    "```", (doc.get("table") or "").strip("\n"), "```", ""]
+            out += [f"- {label}: {workload(doc)}.",
+                    f"  Card: {info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch {info.get('torch', '?')}, "
+                    f"CRC-32 by {info.get('crc32', '?')}. Commit: `{commit}`. Command: `{info.get('command', '?')}`."]
+        out += ["", meaning, "",
+                "| method | what runs | " + " | ".join(f"{label}: {unit}" for label, _, _ in runs) + " |",
+                "|---|---|" + "---|" * len(runs)]
+        for method, what in rows:
+            out.append(f"| `{method}` | {what} | " + " | ".join(cell(doc, method) for _, _, doc in runs) + " |")
+        out.append("")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(out))

@@ -17,14 +17,15 @@
 # Environment (defaults in brackets):
 #   OUT [./bench-out]  WHEELS [.wheels]  PYTHON [python3]  STATE_GB [5] (0.5 / 5 / 20 are presets)
 #   STAGES [all]: comma list of the stages to run (stall,persist_tmpfs,restore_tmpfs,compression,
-#            persist_disk,restore_disk,stall_dist), e.g. to split a run over several shorter sessions with one OUT
+#            persist_disk,restore_disk,stall_dist), e.g. to split a run over several shorter leases with one OUT
 #   BUDGET_S [2400 x SCALE]  TMPFS_DIR [/dev/shm/ckd-bench]  DISK_DIR [/var/tmp/ckd-bench]  SKIP_DISK [0]
 #   stall:   EVERY [100]  CKPTS [3]  STEPS [(CKPTS+1)*EVERY-1]  METHODS [none,checkpointd,...,none,checkpointd,checkpointd_device,none]  D L B S
 #            CKD_DEVICE_KWARGS (JSON kwargs that turn on device staging; auto-detected if unset)
 #   persist/restore: REPEAT [2] (persist)  RESTORE_REPEAT [5] (tmpfs)  DISK_RESTORE_REPEAT [3]  RAW_THREADS [8,max]
 #            PERSIST_METHODS  RESTORE_METHODS  DISK_ROUNDS [3]
 #   stall_dist: DIST_EVERY [60]  DIST_CKPTS [6]  DIST_METHODS [none,checkpointd,none,checkpointd,none,checkpointd,none]
-#   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager)
+#   all checkpointd runs: CKD_KWARGS (JSON object passed to CheckpointManager; option groups as objects,
+#            e.g. {"io": {"file_threads": 8}} for io=checkpointd.IOOptions(file_threads=8))
 #   PREFAULT_GB [auto]: host memory the first stage run writes once before timing (a fresh VM maps its
 #            pages on first write, ~4x slower: benchmarks/common.py prefault_host_memory); later stages skip it
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--cpu --tiny" to smoke-test this script)
@@ -36,17 +37,11 @@ OUT=${OUT:-$ROOT/bench-out}
 WHEELS=${WHEELS:-.wheels}
 STATE_GB=${STATE_GB:-5}
 # Stage caps and the default budget grow with the state: SCALE = ceil(STATE_GB / 5), at least 1. The
-# caps only stop a stage that hangs or a host far slower than ours. At 5 GB on a 16-core H200 host
-# (session 19, split with STAGES over three sessions) the stages took 215 s (stall), 218 s (tmpfs persist
-# and restore, compression) and 436 s (disk; persist_disk ran into its old 300 s cap at the end of its
-# last round): ~15 minutes. Session 20 added the restore's fresh-process and phase rows: restore_tmpfs
-# alone then took ~2.5 minutes (its cap is 240 s, restore_disk's 300 s). Session 26 ran checkpointd and
-# device staging twice more in the stall stage (the interleaved estimate): 265 s on an H200. The stall_dist stage
-# (session 27, 2x H200) took 361 s with ten runs a side (the default is seven). Session 33 (H200): stall
-# and persist_tmpfs 350 s together; restore_tmpfs (then 3 repetitions) and compression ~245 s; persist_disk
-# (2 rounds) ~225 s. Session 34 (H200): restore_tmpfs with 5 repetitions 330-380 s alone (the prefault
-# included). To fit a time limit set
-# BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
+# caps only stop a stage that hangs or a host far slower than ours. At 5 GB on a 16-core H200 host the
+# stall stage takes ~265 s, stall and persist_tmpfs ~350 s together, restore_tmpfs with 5 repetitions
+# 330-380 s (the prefault included), compression well under its cap, persist_disk (2 rounds) ~225 s;
+# stall_dist on a 2x H200 host ~360 s with ten runs a side (the default is seven). To fit a time limit
+# set BUDGET_S lower (later stages are then skipped or cut, and the summary says so) or split the run
 # with STAGES.
 SCALE=$(awk -v g="$STATE_GB" 'BEGIN { s = g / 5; print (s < 1) ? 1 : int(s + 0.999) }')
 BUDGET_S=${BUDGET_S:-$(( 2400 * SCALE ))}
@@ -67,13 +62,14 @@ START=$(date +%s)
 
 if [ -d "$WHEELS" ]; then
     echo "== installing wheels from $WHEELS"
-    # one at a time: a wheel missing from $WHEELS must not stop the others. zlib-ng is optional for the
-    # library but not for its numbers: without it every checksum runs at zlib's ~4 GB/s a core
-    # (a restore verifies every byte first; a compressed save checksums every byte it writes).
+    # one at a time: a wheel missing from $WHEELS must not stop the others (zlib-ng: without it every
+    # checksum runs at zlib's ~4 GB/s a core; a restore verifies every byte first).
     for pkg in zstandard fsspec zlib-ng; do
         "$PY" -m pip install --no-index --find-links "$WHEELS" "$pkg" 2>&1 | tail -n 1
     done
 fi
+echo "== building the native libraries in place"
+"$PY" setup.py -q build_ext --inplace 2>&1 | tail -n 3
 "$PY" - <<'EOF'
 import torch
 print("== torch", torch.__version__, "cuda", torch.version.cuda, "|",
@@ -85,7 +81,7 @@ for m in ("zstandard", "fsspec", "checkpointd"):
         print("   ", m, "NOT IMPORTABLE:", e)
 try:
     from checkpointd.codecs import crc
-    note = "" if crc.CRC32_IMPLEMENTATION != "zlib" else " (slow: pip install zlib-ng for the numbers users get with the 'fast' extra)"
+    note = "" if crc.CRC32_IMPLEMENTATION != "zlib" else " (slow: zlib-ng, a dependency, is missing)"
     print("    CRC-32 by", crc.CRC32_IMPLEMENTATION + note)
 except Exception as e:  # noqa: BLE001
     print("    CRC-32 implementation unknown:", e)
@@ -109,7 +105,7 @@ stage() {
     timeout --signal=INT --kill-after=30 "$t" "$PY" "$@" ${BENCH_ARGS:-} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && echo "== $name: exit status $rc (124 = ran out of time; partial JSON kept)"
-    export PREFAULT_GB=0  # the host's memory was written once by the first stage; it stays mapped
+    export PREFAULT_GB=0  # the first stage has written the host's memory once; it stays mapped
     return 0
 }
 
@@ -117,12 +113,10 @@ stage stall $(( 420 * SCALE )) benchmarks/bench_stall.py --state-gb "$STATE_GB" 
 stage persist_tmpfs $(( 240 * SCALE )) benchmarks/bench_persist.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/persist" \
     ${PERSIST_METHODS:+--methods "$PERSIST_METHODS"}
 # restores: best of RESTORE_REPEAT (5 on tmpfs, DISK_RESTORE_REPEAT 3 on disk); the first restore of a
-# process pins its bounce buffers, so best of 2 leaves one warm sample, and one slow sample decided a
-# whole row (session 14); with 3, session 33's two warm samples of the GPU-verified row were 220 and 334
-# ms where a run of 6 on another host spread 191-219 (the table prints the median beside the best);
-# each manager-based repetition waits 3 s after the last close (bench_restore.py --settle-s), hence the
-# longer limits; session 30 added the host-verified fresh-process row (checkpointd_cold_hostverify,
-# ~12 s a repetition)
+# process pins its buffers, so a few repetitions leave several warm samples and one slow sample cannot
+# decide a row (warm samples of one row can spread 220-334 ms; the table prints the median beside the
+# best); each manager-based repetition waits 3 s after the last close (bench_restore.py --settle-s) and
+# the host-verified fresh-process row takes ~12 s a repetition, hence the longer limits
 stage restore_tmpfs $(( 600 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$TMPFS_DIR/restore" \
     --repeat "${RESTORE_REPEAT:-5}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 stage compression 150 benchmarks/bench_compression.py --repeat 2
@@ -133,7 +127,7 @@ if [ "$SKIP_DISK" != "1" ]; then
     stage restore_disk $(( 420 * SCALE )) benchmarks/bench_restore.py --state-gb "$STATE_GB" --dirs "$DISK_DIR/restore" \
         --repeat "${DISK_RESTORE_REPEAT:-3}" ${RESTORE_METHODS:+--methods "$RESTORE_METHODS"}
 fi
-# Two GPUs (issue 6: the per-rank stall about one GPU's with half the state): the reference on one GPU
+# Two GPUs (the target: the per-rank stall about one GPU's with half the state): the reference on one GPU
 # first, then the same methods on two under torchrun, interleaved with `none` runs (bench_stall_dist.py's
 # docstring says why); CPU mode (BENCH_ARGS=--cpu ...) runs it on gloo as a smoke test.
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
@@ -172,6 +166,6 @@ for name, mod in [("stall", bench_stall), ("persist_tmpfs", bench_persist), ("re
             text += "\n" + bench_stall.ckd_stats_lines(r["runs"])
     except Exception as e:  # noqa: BLE001
         text = f"\n== {name}: cannot summarise ({e!r}); see {p}"
-    print(text + ("" if r.get("complete") else f"\n   PARTIAL: {name} was interrupted; rows above are complete ones"))
+    print(text + ("" if r.get("complete") else f"\n   PARTIAL: {name} interrupted; rows above are complete ones"))
 print(f"\nJSON and logs in {out}")
 EOF

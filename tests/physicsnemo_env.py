@@ -57,7 +57,7 @@ _QUICK_PROBE = (
     "assert u.find_spec('physicsnemo') and u.find_spec('torch'), 'physicsnemo or torch missing'; "
     "print(m.version('nvidia-physicsnemo'))"
 )
-"""Reads package metadata only (importing PhysicsNeMo takes seconds); used to reuse a venv."""
+"""Reads package metadata only (importing PhysicsNeMo takes seconds): decides whether a venv is reused."""
 _FULL_PROBE = (
     "import importlib.metadata as m, physicsnemo.core, physicsnemo.utils.checkpoint; "
     "print(m.version('nvidia-physicsnemo'))"

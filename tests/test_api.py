@@ -13,6 +13,7 @@ from checkpointd import (
     CheckpointManager,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    IOOptions,
     StepAlreadyExistsError,
     load,
 )
@@ -23,6 +24,9 @@ def test_public_names_are_pinned():
     assert sorted(checkpointd.__all__) == sorted([
         "CheckpointManager",
         "load",
+        "DistributedOptions",
+        "IOOptions",
+        "StagingOptions",
         "CheckpointError",
         "CheckpointWriteError",
         "CheckpointNotFoundError",
@@ -67,7 +71,7 @@ def test_context_manager_waits_and_closes(tmp_path):
 def test_context_manager_does_not_mask_the_users_exception(tmp_path):
     plan = FaultPlan(Fault(op="open", path="*step-*"))
     with pytest.raises(KeyError):
-        with CheckpointManager(f"faulty://{tmp_path}", {"t": torch.ones(1)}, retry_timeout_secs=0,
+        with CheckpointManager(f"faulty://{tmp_path}", {"t": torch.ones(1)}, io=IOOptions(retry_timeout_secs=0),
                                storage_options={"target_protocol": "file", "faults": plan}) as mgr:
             mgr.save(1)
             raise KeyError("user error")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError
+from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError, IOOptions
 from checkpointd.cleanup import collect_garbage
 from checkpointd.storage.store import Store
 from checkpointd.testing import Fault, FaultPlan, permanent_error
@@ -138,7 +138,7 @@ def test_root_that_is_a_file(tmp_path):
 def test_root_under_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    mgr = CheckpointManager(f / "sub", {"t": torch.zeros(1)}, retry_timeout_secs=1)
+    mgr = CheckpointManager(f / "sub", {"t": torch.zeros(1)}, io=IOOptions(retry_timeout_secs=1))
     with pytest.raises(CheckpointWriteError, match=r"(?i)not a directory|file is in the way"):
         mgr.save(1)  # the root's lease cannot be taken: refused before anything is staged
     mgr.close()
@@ -148,7 +148,7 @@ def test_root_under_a_file(tmp_path):
 def test_no_permission_fails_fast_and_clearly(tmp_path):
     plan = FaultPlan()
     state = _good_state()
-    mgr = CheckpointManager(f"faulty://{tmp_path}/ckpt", state, retry_timeout_secs=60,
+    mgr = CheckpointManager(f"faulty://{tmp_path}/ckpt", state, io=IOOptions(retry_timeout_secs=60),
                             storage_options={"target_protocol": "file", "faults": plan})
     mgr.save(1)
     mgr.wait()
@@ -170,7 +170,7 @@ def test_read_only_root(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount tmpfs")
     try:
-        mgr = CheckpointManager(mnt / "ckpt", {"t": torch.zeros(1)}, retry_timeout_secs=5)
+        mgr = CheckpointManager(mnt / "ckpt", {"t": torch.zeros(1)}, io=IOOptions(retry_timeout_secs=5))
         with pytest.raises(CheckpointWriteError, match=r"Read-only file system"):
             mgr.save(1)  # refused at once when the root's lease cannot be taken, else by the background write
             mgr.wait()

@@ -1,6 +1,6 @@
 """Faults through the public API (``faulty://`` roots, see ``checkpointd.testing.faults``): transient
 write failures are retried and commit, timeouts too, a failing marker write commits nothing, a
-permanent failure surfaces within ``retry_timeout_secs`` at the next ``maybe_save``/``wait``/``close``,
+permanent failure surfaces within ``IOOptions.retry_timeout_secs`` at the next ``maybe_save``/``wait``/``close``,
 every failed save is reported exactly once, and slow storage never blocks non-saving steps."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError
+from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions
 from checkpointd.testing import Fault, FaultPlan, permanent_error, timeout_error, transient_error
 
 
@@ -50,7 +50,7 @@ def _check_value(state: dict[str, Any], value: float) -> None:
 def test_a_fraction_of_transient_failures_still_commits(tmp_path, op):
     plan = FaultPlan(Fault(op=op, probability=0.3, error=transient_error), seed=3)
     state = _state()
-    with _mgr(tmp_path, plan, state, retry_timeout_secs=30) as mgr:
+    with _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=30)) as mgr:
         for step in range(1, 9):
             _set(state, float(step))
             mgr.save(step)
@@ -65,7 +65,7 @@ def test_a_fraction_of_transient_failures_still_commits(tmp_path, op):
 def test_timeouts_are_retried_and_commit(tmp_path):
     plan = FaultPlan(Fault(op=("close", "info", "ls"), probability=0.25, delay_secs=0.02, error=timeout_error), seed=1)
     state = _state()
-    with _mgr(tmp_path, plan, state, retry_timeout_secs=30) as mgr:
+    with _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=30)) as mgr:
         for step in (1, 2, 3):
             _set(state, float(step))
             mgr.save(step)
@@ -80,7 +80,7 @@ def test_timeouts_are_retried_and_commit(tmp_path):
 def test_exactly_the_marker_write_failing_commits_nothing(tmp_path, how):
     plan = FaultPlan()
     state = _state()
-    mgr = _mgr(tmp_path, plan, state, retry_timeout_secs=0.3)
+    mgr = _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=0.3))
     _set(state, 1.0)
     mgr.save(1)
     mgr.wait()
@@ -115,7 +115,7 @@ def test_permanent_failure_surfaces_within_the_retry_budget(tmp_path, where):
     budget = 1.0
     plan = FaultPlan()
     state = _state()
-    mgr = _mgr(tmp_path, plan, state, retry_timeout_secs=budget)
+    mgr = _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=budget))
     mgr.save(1)
     mgr.wait()
     plan.add(Fault(op="write", error=transient_error))  # storage went down for good
@@ -142,7 +142,7 @@ def test_permanent_failure_surfaces_within_the_retry_budget(tmp_path, where):
 def test_permission_error_is_not_retried(tmp_path):
     plan = FaultPlan(Fault(op="open", path="*/step-000000002/*", error=permanent_error))
     state = _state()
-    mgr = _mgr(tmp_path, plan, state, retry_timeout_secs=60)
+    mgr = _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=60))
     mgr.save(1)
     t0 = time.monotonic()
     mgr.save(2)
@@ -159,7 +159,7 @@ def test_every_failed_save_is_reported_exactly_once(tmp_path):
                            error=permanent_error))
     state = _state()
     reported: list[int] = []
-    mgr = _mgr(tmp_path, plan, state, retry_timeout_secs=5)
+    mgr = _mgr(tmp_path, plan, state, io=IOOptions(retry_timeout_secs=5))
     for step in range(1, 10):
         _set(state, float(step))
         try:

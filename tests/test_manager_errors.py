@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError, ConfigError, load
+from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError, ConfigError, IOOptions, load
 from checkpointd.testing.faults import Fault, FaultPlan, permanent_error
 
 
@@ -137,6 +137,34 @@ def test_bad_options_are_config_errors(tmp_path, kwargs):
         CheckpointManager(tmp_path, {"t": torch.zeros(1)}, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: checkpointd.StagingOptions(device_budget_bytes=-1), "device_budget_bytes"),
+        (lambda: checkpointd.StagingOptions(host_budget_bytes=0), "host_budget_bytes"),
+        (lambda: checkpointd.StagingOptions(host_budget_bytes=True), "host_budget_bytes"),
+        (lambda: checkpointd.StagingOptions(freeze_gc="yes"), "freeze_gc"),
+        (lambda: IOOptions(file_threads=0), "file_threads"),
+        (lambda: IOOptions(retry_timeout_secs=-1), "retry_timeout_secs"),
+        (lambda: IOOptions(lease_timeout_secs=0), "lease_timeout_secs"),
+        (lambda: checkpointd.DistributedOptions(timeout_secs="10"), "timeout_secs"),
+    ],
+)
+def test_bad_option_groups_name_the_field(make, field):
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+def test_option_groups_are_frozen_and_only_taken_as_groups(tmp_path):
+    io = IOOptions(retry_timeout_secs=5)
+    with pytest.raises(AttributeError):
+        io.retry_timeout_secs = 6  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="io must be a checkpointd.IOOptions"):
+        CheckpointManager(tmp_path, {"t": torch.zeros(1)}, io={"retry_timeout_secs": 5})
+    with pytest.raises(TypeError):
+        CheckpointManager(tmp_path, {"t": torch.zeros(1)}, retry_timeout_secs=5)  # a field of IOOptions, not an argument
+
+
 def test_bad_step_argument(tmp_path):
     with CheckpointManager(tmp_path, {"t": torch.zeros(1)}) as mgr:
         for bad in (-1, 1.0, "3", True):
@@ -154,7 +182,7 @@ def test_root_that_is_a_file_is_a_config_error(tmp_path):
 # -- background failures ----------------------------------------------------------------------------
 def _faulty(tmp_path, plan, **kwargs):
     t = torch.zeros(4)
-    mgr = CheckpointManager(f"faulty://{tmp_path}", {"t": t}, retry_timeout_secs=0.3,
+    mgr = CheckpointManager(f"faulty://{tmp_path}", {"t": t}, io=IOOptions(retry_timeout_secs=0.3),
                             storage_options={"target_protocol": "file", "faults": plan}, **kwargs)
     return mgr, t
 

@@ -1,4 +1,4 @@
-"""Bit-exact resume across processes (issue 2, item 8; SPEC §2 "What a restore gives back").
+"""Bit-exact resume across processes (SPEC §2 "What a restore gives back").
 
 Three kinds of process run ``tests/resume_worker.py``: a reference run that trains N steps without
 checkpointing, an interrupted run that trains K < N steps with saves and then exits (normal close, or

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError, load
+from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions, load
 from checkpointd.codecs.checksum import sha256_hex
 from checkpointd.format.manifest import Manifest
 from checkpointd.testing import Fault, FaultPlan
@@ -95,7 +95,7 @@ def test_marker_write_failing_on_s3_commits_nothing(s3_root, s3_storage_options)
     plan = FaultPlan()
     root, opts = _faulty(s3_root, s3_storage_options, plan)
     state = _state(1)
-    mgr = CheckpointManager(root, state, storage_options=opts, retry_timeout_secs=0.5)
+    mgr = CheckpointManager(root, state, storage_options=opts, io=IOOptions(retry_timeout_secs=0.5))
     mgr.save(1)
     mgr.wait()
     plan.add(Fault(op="open", path="*/step-000000002/COMMITTED", error=lambda op, p: PermissionError(13, f"denied {p}")))

@@ -15,7 +15,8 @@ import pytest
 
 import torture_worker as tw
 
-N_LOCAL = int(os.environ.get("CHECKPOINTD_TORTURE_TRIALS", "50"))
+N_LOCAL = int(os.environ.get("TORTURE_TRIALS", "50"))
+"""Local kills in all (split over the two codecs); ``TORTURE_TRIALS`` raises it for a longer run."""
 
 
 @pytest.fixture(scope="module")

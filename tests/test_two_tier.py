@@ -11,7 +11,7 @@ import fsspec
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError
+from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions
 from checkpointd.testing import Fault, FaultPlan
 
 
@@ -119,7 +119,7 @@ def test_upload_failure_surfaces_and_local_copy_stays(tmp_path):
     root = f"faulty://{tmp_path}/remote"
     opts = {"target_protocol": "file", "faults": plan}
     state = _state()
-    mgr = CheckpointManager(root, state, local_dir=tmp_path / "local", storage_options=opts, retry_timeout_secs=0.3)
+    mgr = CheckpointManager(root, state, local_dir=tmp_path / "local", storage_options=opts, io=IOOptions(retry_timeout_secs=0.3))
     _set(state, 1.0)
     mgr.save(1)
     mgr.wait()

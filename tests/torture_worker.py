@@ -3,10 +3,11 @@ then the root must restore to its newest committed step, bit-identical to the st
 
 Used by ``tests/test_torture.py`` (>= 50 trials in CI) and ``benchmarks/torture.py`` (500+ trials).
 
-Each trial forks a child from a ``multiprocessing`` forkserver that has torch and checkpointd already
-imported (a fresh interpreter per trial would spend a second importing torch). The child restores the
-latest checkpoint of the shared root (so trials chain: leftovers of the previous kill are what it
-finds), then trains: at each step it sets every registered tensor to a value computed from the step
+Each trial forks a fresh child from a ``multiprocessing`` forkserver that has torch and checkpointd
+already imported (a fresh interpreter per trial would spend seconds importing torch); the child freezes
+the heap it inherited (``gc.freeze()``), so its manager's collection at construction scans only what
+the trial made. The child restores the latest checkpoint of the shared root (so trials chain:
+leftovers of the last kill are what it finds), then trains: at each step it sets every registered tensor to a value computed from the step
 number alone (:func:`expected_state`), calls ``maybe_save(step)`` (every step, ``max_pending=1``) and
 appends the newest step it has seen committed to a log. The parent kills it after a random delay and
 checks the root:
@@ -21,6 +22,7 @@ checks the root:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -31,17 +33,17 @@ from typing import Any
 
 import torch
 
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.storage.store import Store
 from checkpointd.restore.verify import verify_step
 from checkpointd.format import layout
-from checkpointd.storage import recycle
+from checkpointd.storage import recyclebin
 
 WIDTH = 64
 X_NUMEL = 4096
 """Elements of the plain tensor ``x``; a trial may ask for millions (:attr:`TrialConfig.x_numel`), so its
 file is large enough for the paths that only large files take: recycling retired files, blank files
-made ahead, the persist process's kept mappings (``checkpointd.storage.recycle.MIN_RECYCLE_BYTES``)."""
+made ahead, the persist process's kept mappings (``checkpointd.storage.recyclebin.MIN_RECYCLE_BYTES``)."""
 
 
 def build_state(x_numel: int = X_NUMEL) -> dict[str, Any]:
@@ -109,7 +111,8 @@ class TrialConfig:
 
 
 def child_main(cfg: TrialConfig, ready: Any) -> None:
-    """The training process (runs until killed)."""
+    """The training process: saves every step, and never returns (the parent SIGKILLs it)."""
+    gc.freeze()  # the forkserver's heap (torch, checkpointd): the manager's collection skips it
     state = build_state(cfg.x_numel)
     fd = os.open(cfg.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     mgr = CheckpointManager(cfg.root, state, storage_options=cfg.storage_options, every_n_steps=1,
@@ -139,7 +142,7 @@ class TrialResult:
     lost: list[int]
     wrong: list[str]
     bin_files: int = 0
-    """Files in the recycle bin when the child was killed (retired ones, blank ones made ahead)."""
+    """Files in the recycle bin at the kill (retired ones, blank ones made ahead)."""
 
     @property
     def ok(self) -> bool:
@@ -182,9 +185,12 @@ def logged_commits(log_path: str) -> set[int]:
 
 def check_root(cfg: TrialConfig, delay: float = 0.0) -> TrialResult:
     store = Store(cfg.root, cfg.storage_options)
-    bin_files = recycle.contents(store)[0] if store.is_local else 0  # before our manager's close() empties it
+    bin_files = recyclebin.contents(store)[0] if store.is_local else 0  # before our manager's close() empties it
     live = build_state(cfg.x_numel)
-    with CheckpointManager(cfg.root, live, storage_options=cfg.storage_options, keep_last=cfg.keep_last) as mgr:
+    # a reader: no saves whose collections a frozen heap would shorten, and no full collection of the
+    # caller's heap (a test runner's: about a second) per trial
+    with CheckpointManager(cfg.root, live, storage_options=cfg.storage_options, keep_last=cfg.keep_last,
+                           staging=StagingOptions(freeze_gc=False)) as mgr:
         committed = mgr.steps()
         reports = {s: verify_step(store, layout.step_dir_name(s)) for s in committed}
         partial = [s for s, report in reports.items() if not report.ok]

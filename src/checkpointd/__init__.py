@@ -4,6 +4,9 @@ The public API (SPEC §1)::
 
     from checkpointd import CheckpointManager, load, CheckpointError, CheckpointWriteError
 
+The manager's tuning knobs are grouped in :class:`StagingOptions`, :class:`IOOptions` and
+:class:`DistributedOptions` (``options.py``).
+
 Follow a save from :meth:`CheckpointManager.maybe_save` in ``manager.py``: its module docstring lists
 the pipeline stages and the module that implements each.
 """
@@ -28,10 +31,14 @@ from checkpointd.errors import (  # noqa: E402
 )
 from checkpointd.load import load  # noqa: E402
 from checkpointd.manager import CheckpointManager  # noqa: E402
+from checkpointd.options import DistributedOptions, IOOptions, StagingOptions  # noqa: E402
 
 __all__ = [
     "CheckpointManager",
     "load",
+    "DistributedOptions",
+    "IOOptions",
+    "StagingOptions",
     "CheckpointError",
     "CheckpointWriteError",
     "CheckpointNotFoundError",

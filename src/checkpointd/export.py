@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from checkpointd import commit
+from checkpointd.codecs.compress import get_codec
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from checkpointd.restore.partial import CheckpointFile
@@ -97,8 +98,6 @@ def _write_decoded(data: bytes, codec_name: str, out: Store, target: str, where:
     if codec_name in ("none", "", None):
         out.write_bytes(target, data)
         return len(data)
-    from checkpointd.codecs.compress import get_codec
-
     total = 0
     try:
         with get_codec(codec_name).open_decoded(io.BytesIO(data)) as src, out.open_write(target) as dst:

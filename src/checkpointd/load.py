@@ -14,6 +14,7 @@ from typing import Any
 from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from checkpointd.restore.assemble import assemble_full_values
 from checkpointd.restore.step import decode, load_native, malformed_is_damage, read_step, values_by_entry
 from checkpointd.storage.store import Store
 
@@ -58,9 +59,7 @@ def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
     manifest = commit.read_committed_manifest(store, step_dir)
     with malformed_is_damage(store.display(step_dir)):
         contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
-        if manifest.mode == "sharded":
-            from checkpointd.restore.assemble import assemble_full_values  # sharded checkpoints: merge shards
-
+        if manifest.mode == "sharded":  # sharded checkpoints: merge the shards
             return assemble_full_values(manifest, contents)
         return values_by_entry(manifest, contents)
 

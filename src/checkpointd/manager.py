@@ -1,23 +1,32 @@
-"""CheckpointManager: the public entry point. Orchestration only; each stage lives in its own module.
+"""CheckpointManager: the public entry point the training loop calls. Orchestration only.
 
 A save, in order (``maybe_save`` on the training thread, then the background writer):
 
-1. ``policy.SaveSchedule``   is this step due?
-2. ``state.build_files``     state dicts -> one tree per file of SPEC §3, validated (bad state raises here)
-3. ``savejob.stage_save``    tensors -> ``snapshot.Snapshotter``: reused (pinned) CPU buffers; on CUDA the
-                             copies go on a side stream; returns the background job
-   --- ``maybe_save`` returns here; the rest runs on the committer thread (``writer.py``) ---
-4. ``serialize.plan_pt``     pickle each tree (while the device-to-host copies still run, see
-                             ``SaveJob.plan_files``); ``writer.write_one_file``: ``serialize``/``ptlayout``
-                             -> ``compress`` -> checksum -> ``storage``
-5. ``commit``                manifest.json, then COMMITTED, written last
-6. ``retention``             ``policy.RetentionPolicy`` decides; committed steps it drops and uncommitted
-                             leftovers are deleted (marker first)
+1. ``policy.SaveSchedule``           is this step due?
+2. ``state.build_files``             state dicts -> one tree per file of SPEC §3, validated (bad state
+                                     raises here)
+3. ``save/savejob.py`` ``stage_save``  tensors -> ``save/snapshot.py`` ``Snapshotter``: reused (pinned) CPU
+                                     buffers; on CUDA the copies go on a side stream; returns the job
+   --- ``maybe_save`` returns here; the rest runs on the committer thread (``save/writer.py``
+       ``BackgroundWriter._process``), on the job as data ---
+4. ``save/planning.py``              ``plan_files`` (pickle each tree ahead, ``format/serialize.py``),
+                                     ``wait_for_copies``, ``plan_files``/``plan_stream`` (the rest)
+5. ``save/writer.py``                compress (``codecs/``), checksum and write each file through
+                                     ``storage/store.py``; ``planning.release_staging``
+6. ``commit.py``                     manifest.json, then COMMITTED, written last
+7. ``retention.py``                  the writer's ``on_commit`` hook (``manager_roots.Roots.after_commit``):
+                                     ``policy.RetentionPolicy`` decides; committed steps it drops and
+                                     uncommitted leftovers are deleted (marker first)
 
-Restore goes ``restore.restore_in_place``: ``commit.read_committed_manifest`` -> ``restore.read_step``
-(``fastload``: parallel verified reads) -> ``restore.check_compatible`` -> ``restore_apply.apply_entries``
-(in-place bulk copies, ``bulkcopy``). Construction helpers live in ``manager_setup.py``. Distributed runs (``distributed/``) and two tiers
-(``tiers.py``) plug into the same path; ``preemption.py`` turns signals into a forced save.
+A restore (``manager_restore.py``) reads the committed manifest (``commit.py``), then
+``restore/step.py`` ``restore_in_place``: parallel verified reads, a compatibility check against the
+registered state, and in-place copies into it.
+
+The rest of the manager: ``manager_setup.py`` (argument checks, opening the roots, the distributed
+runtime), ``manager_roots.py`` (leases, the committed-step listing, retention after each commit,
+damaged steps, background failures), ``options.py`` (the tuning option groups). Distributed runs
+(``distributed/``) and two tiers (``tiers.py``) plug into the same path; ``preemption.py`` turns
+signals into a forced save.
 """
 
 from __future__ import annotations
@@ -25,54 +34,33 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import time
-import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from checkpointd import commit
-from checkpointd.save import gcfreeze
-from checkpointd.format import layout
-from checkpointd.storage import ptlayout
-from checkpointd.storage import recycle
-from checkpointd.restore import step as restore_mod
-from checkpointd.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    ConfigError,
-    CorruptCheckpointError,
-    NOT_VERIFIED,
-    RootInUseError,
-    StepAlreadyExistsError,
-)
+from checkpointd.codecs.compress import get_codec
+from checkpointd.errors import CheckpointError, ConfigError
+from checkpointd.format.mdlus import is_physicsnemo_module, mdlus_json_members
+from checkpointd.manager_restore import Restorer
+from checkpointd.manager_roots import Roots
+from checkpointd.manager_setup import (as_step, as_steps, check_arguments, distributed_runtime, open_store,
+                                       register_flush_at_exit)
+from checkpointd.options import DistributedOptions, IOOptions, StagingOptions
 from checkpointd.policy import RetentionPolicy, SaveSchedule
-from checkpointd.retention import MetricsCache, apply_retention
-from checkpointd.rng import capture_rng, restore_rng
+from checkpointd.preemption import PreemptionWatcher, resolve_signals
+from checkpointd.restore import bounce
+from checkpointd.rng import capture_rng
+from checkpointd.save import gcfreeze
+from checkpointd.save.inflight import InFlight
 from checkpointd.save.savejob import blank_file_sizes, files_ahead, prewarm_reductions, stage_save, staging_layout
 from checkpointd.save.snapshot import Snapshotter
+from checkpointd.save.writer import BackgroundWriter
 from checkpointd.state import build_entries, build_files, clean_metrics
-from checkpointd.storage.store import Store
-from checkpointd.save.inflight import InFlight
-from checkpointd.lease import RootLease
-from checkpointd.manager_setup import (
-    as_step,
-    as_steps,
-    check_host_budget,
-    distributed_runtime,
-    failure_hint,
-    mdlus_members,
-    open_store,
-    physicsnemo_detector,
-    register_flush_at_exit,
-)
-from checkpointd.save.writer import BackgroundWriter, SaveJob
+from checkpointd.storage import recycle, writemode
 
 logger = logging.getLogger("checkpointd")
 
-_VALID_MODES = ("full", "sharded")
 
 class CheckpointManager:
     """Asynchronous checkpoints of ``state`` under ``root`` (SPEC §1).
@@ -91,32 +79,14 @@ class CheckpointManager:
         mode: "full" or "sharded" (matters only under torch.distributed).
         storage_options: passed to fsspec.
         max_pending: saves in flight before ``maybe_save`` waits for the oldest.
-        overwrite: allow re-saving a committed step (the old one is deleted first).
-        retry_timeout_secs: how long transient storage errors are retried before a save fails.
-        file_threads: files written in parallel per save.
-        device_staging_budget_bytes: opt-in device staging: when the CUDA tensors of a save fit in
-            this many bytes of GPU memory, they are first cloned into a reused GPU buffer (~2 TB/s), so
-            training never waits for the device-to-host copy. Costs that much GPU memory.
-        host_staging_budget_bytes: opt-in host budget: stage CUDA state through a fixed ring of pinned
-            chunks totalling at most this many bytes (allocated once, reused) instead of one pinned
-            buffer the size of the state. The writer streams the state through it; the optimizer step
-            (and the registered modules' forward, for their buffers) waits on the host until every
-            tensor left the device, which costs about (state - budget) / write bandwidth per save.
-            With device staging also on and fitting, the stream reads the GPU copy and nothing waits.
-            Ignored (logged) on CPU-only torch; rejected with ``mode="full"`` under torch.distributed.
+        overwrite: allow re-saving a committed step (the committed one is deleted first).
         local_dir: two tiers (see ``tiers.py``): commit every save on this local directory first,
             then upload it to ``root`` in the background; ``restore_latest`` prefers a verified local copy.
         save_on_signals: True (SIGTERM and SIGUSR1) or signal numbers: on such a signal the next
             ``maybe_save`` saves whatever the schedule says (see ``preemption.py``); main thread only.
-        dist_timeout_secs: under torch.distributed, how long a rank waits for the others in the
-            manager's own coordination (a dead rank fails the save after this, instead of hanging).
-        freeze_gc: collect, then ``gc.freeze()`` the objects alive at construction until the last
-            manager closes, so that the full collections a save's objects trigger stay short (see
-            ``gcfreeze.py``: otherwise one costs the training thread 60-180 ms every few saves).
-        lease_timeout_secs: one writer per root: the first save takes a lease on the root (and on
-            ``local_dir``), renewed every quarter of this; a writer on another host whose lease was
-            not renewed for this long is taken over (one on this host as soon as its process is gone).
-            See ``lease.py``.
+        staging: :class:`checkpointd.StagingOptions`: device and host staging budgets, gc freezing.
+        io: :class:`checkpointd.IOOptions`: file threads, the storage retry budget, the root lease's timeout.
+        distributed: :class:`checkpointd.DistributedOptions`: the ranks' coordination timeout.
     """
 
     def __init__(
@@ -137,90 +107,53 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         max_pending: int = 1,
         overwrite: bool = False,
-        retry_timeout_secs: float = 120.0,
-        file_threads: int | None = None,
-        dist_timeout_secs: float = 600.0,
-        device_staging_budget_bytes: int | None = None,
-        host_staging_budget_bytes: int | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         save_on_signals: bool | Iterable[int] = False,
-        freeze_gc: bool = True,
-        lease_timeout_secs: float = 60.0,
+        staging: StagingOptions = StagingOptions(),
+        io: IOOptions = IOOptions(),
+        distributed: DistributedOptions = DistributedOptions(),
     ) -> None:
-        if mode not in _VALID_MODES:
-            raise ConfigError(f"mode must be one of {_VALID_MODES}, got {mode!r}")
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
-        if not (isinstance(retry_timeout_secs, (int, float)) and retry_timeout_secs >= 0):
-            raise ConfigError(f"retry_timeout_secs must be a number >= 0, got {retry_timeout_secs!r}")
-        check_host_budget(host_staging_budget_bytes, mode)
+        check_arguments(mode, max_pending, staging, io, distributed)
         self._schedule = SaveSchedule(every_n_steps=every_n_steps, every_n_seconds=every_n_seconds,
                                       at_steps=frozenset(as_steps(at_steps)))
         self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                           keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
-        from checkpointd.codecs.compress import get_codec
-
         self._codec = get_codec(compression)
         self._mode = mode
         self._overwrite = bool(overwrite)
         self._max_pending = max_pending
-        self._store = open_store(root, storage_options, retry_timeout_secs)
-        self._exit_timeout_secs = retry_timeout_secs + 60.0
-        self._remote: Store | None = None
+        self._store = open_store(root, storage_options, io.retry_timeout_secs)
+        remote = None
         if local_dir is not None:  # two tiers: saves commit on local disk, the uploader copies them to root
-            self._remote = self._store
-            self._store = open_store(local_dir, None, retry_timeout_secs)
-        self._entries = build_entries(state, physicsnemo_detector())
-        self._dist = distributed_runtime(self._entries, mode, dist_timeout_secs)
-        if not (isinstance(lease_timeout_secs, (int, float)) and lease_timeout_secs > 0):
-            raise ConfigError(f"lease_timeout_secs must be a number > 0, got {lease_timeout_secs!r}")
-        self._leases: list[RootLease] = []
-        """One writer per root, taken at the first due save; a distributed job is one writer: rank 0's."""
-        self._leases_taken = False
-        if self._dist is None or self._dist.is_rank0:
-            self._leases = [RootLease(s, timeout_secs=float(lease_timeout_secs))
-                            for s in (self._store, self._remote) if s is not None]
+            remote, self._store = self._store, open_store(local_dir, None, io.retry_timeout_secs)
+        self._exit_timeout_secs = io.retry_timeout_secs + 60.0
+        self._entries = build_entries(state, is_physicsnemo_module)
+        self._dist = distributed_runtime(self._entries, mode, distributed.timeout_secs)
+        if remote is not None and self._dist is not None:
+            raise ConfigError("local_dir (two tiers) is for single-process runs; under torch.distributed save to root")
         self._closed = False
-        self._lock = threading.RLock()
         self._inflight = InFlight()
-        self._marked: set[int] | None = None
-        """Steps with a marker in the root's listing (a cache; each is checked before it counts)."""
-        self._metrics = MetricsCache(self._store)
-        self._last_committed: int | None = None
-        self._branched_from: int | None = None
-        """The step the last restore returned: saves of committed steps after it replace them (a branch)."""
-        self._stale_steps: set[int] = set()
-        """Committed steps after ``_branched_from`` not yet replaced: retention neither counts nor deletes them."""
-        if device_staging_budget_bytes is not None and (not isinstance(device_staging_budget_bytes, int) or device_staging_budget_bytes < 0):
-            raise ConfigError(f"device_staging_budget_bytes must be an int >= 0 or None, got {device_staging_budget_bytes!r}")
-        self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=device_staging_budget_bytes,
-                                 host_budget_bytes=host_staging_budget_bytes, on_arena_ready=prewarm_reductions)
-        threads = file_threads or min(8, max(2, (os.cpu_count() or 2)))
-        self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads) if self._dist is None
-                        else self._dist.make_writer(self._store, self._codec, threads))
-        if self._leases:
-            self._writer.before_marker = self._leases[0].check  # no commit once another writer took the root
+        self._roots = Roots(self._store, remote, self._dist, self._retention, self._inflight, io.lease_timeout_secs)
+        self._restorer = Restorer(self._roots, self._entries, self._schedule, self._dist)
+        self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=staging.device_budget_bytes,
+                                 host_budget_bytes=staging.host_budget_bytes, on_arena_ready=prewarm_reductions)
+        threads = io.threads()
+        # The writer's hooks: the committer thread's per-save work that belongs to the manager. A restore's
+        # pinned bounce chunks are given back after each committed save (``bounce.release_pinned``).
+        writer_hooks = {"clear_step_dir": self._roots.clear_step_dir, "on_commit": self._roots.after_commit,
+                        "after_save": bounce.release_pinned}
+        self._writer = (BackgroundWriter(self._store, self._codec, file_threads=threads, **writer_hooks)
+                        if self._dist is None else self._dist.make_writer(self._store, self._codec, threads, **writer_hooks))
+        if self._roots.leases:
+            self._writer.before_marker = self._roots.leases[0].check  # no commit once another writer took the root
         self._hooks: list[Any] = []
         self._opt_state_sizes: dict[int, int] = {}
-        self._uploader: Any = None
-        if self._remote is not None:
-            if self._dist is not None:
-                raise ConfigError("local_dir (two tiers) is for single-process runs; under torch.distributed save to root")
-            from checkpointd.tiers import Uploader
-
-            self._uploader = Uploader(self._store, self._remote, self._retention, file_threads=threads,
-                                      on_uploaded=self._after_upload)
-            self._uploader.before_marker = self._leases[1].check
-            self._uploader.resume_pending(before_first=self._take_leases)
-        self._preemption: Any = None
-        from checkpointd.preemption import PreemptionWatcher, resolve_signals
-
+        self._uploader = self._roots.start_uploader(threads) if remote is not None else None
         signals = resolve_signals(save_on_signals)
-        if signals:
-            self._preemption = PreemptionWatcher(signals)
+        self._preemption = PreemptionWatcher(signals) if signals else None
         self._install_hooks()
-        self._atexit = register_flush_at_exit(self) if self._dist is None else None
-        self._froze_gc = bool(freeze_gc)
+        self._atexit = register_flush_at_exit(self._flush_at_exit) if self._dist is None else None
+        self._froze_gc = staging.freeze_gc
         if self._froze_gc:
             gcfreeze.acquire()
         # Staging buffers are prepared at the first restore's end, maybe_save call or optimizer step,
@@ -246,7 +179,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._prepare_pending_buffers()
-        self._raise_failures()
+        self._roots.raise_failures()
         step = as_step(step)
         preempted = self._preemption is not None and self._preemption.save_pending
         due = force or preempted or self._schedule.is_due(step)
@@ -256,48 +189,39 @@ class CheckpointManager:
             return False
         if step in self._inflight.steps():
             return False
-        self._take_leases()
-        with self._lock:
-            already = self._is_committed(step)
+        self._roots.take_leases()
+        already = self._roots.is_committed(step)
         if preempted and already and not force and not self._overwrite:
             self._preemption.save_pending = False  # this step is saved already: nothing more to do
             return False
         if already and not self._overwrite:
-            if self._branched_from is None or step <= self._branched_from:
-                raise StepAlreadyExistsError(
-                    f"step {step} is already committed at {self._store.display(layout.step_dir_name(step))}; "
-                    "resume with `start = mgr.resume()` (the step after the newest checkpoint), or pass overwrite=True"
-                )
-            warnings.warn(f"checkpointd: step {step} replaces the committed step {step} of the run this one branched "
-                          f"from: it was restored at step {self._branched_from}", RuntimeWarning, stacklevel=2)
-        self._stale_steps.discard(step)
+            self._roots.check_replace(step)
+        self._roots.stale_steps.discard(step)
         t0 = time.perf_counter()
         clean = clean_metrics(metrics)
         if self._dist is None:
             files = build_files(self._entries, step, clean, capture_rng(), self._codec.suffix,
-                                mdlus_members=mdlus_members())
+                                mdlus_members=mdlus_json_members)
             locations, extra = None, {"rng_file": files[-1].rel_path}
         else:  # full mode gathers here, collectively, on every rank
             files, locations, extra = self._dist.build_files(step, clean, capture_rng(), self._codec.suffix,
-                                                             mdlus_members())
+                                                             mdlus_json_members)
         try:
             self._snap.flush()  # an earlier snapshot's copies must be queued before this save point
-            # Backpressure: never hold the lock here, the committer thread needs it to finish the oldest save.
+            # Backpressure: never hold Roots.lock here, the committer thread needs it to finish the oldest save.
             while len(self._inflight) >= self._max_pending:
                 self._inflight.wait_for(self._inflight.oldest(), timeout=None)  # type: ignore[arg-type]
             if self._uploader is not None:  # a slow remote bounds the local backlog, not an ever-growing queue
                 self._uploader.wait_backlog(self._max_pending)
-            self._raise_failures()
+            self._roots.raise_failures()
             job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
                              mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
-                             codec_name=self._codec.name, locations=locations, extra=extra,
-                             clear_step_dir=self._clear_step_dir)
+                             codec_name=self._codec.name, locations=locations, extra=extra)
         except BaseException as exc:
             if self._dist is not None:  # the ranks agreed to save `step`: fail it on every rank now, naming this error
                 self._dist.abandon(step, exc)
             raise
-        job.after_commit = self._after_commit
-        job.fast = preempted or ptlayout.fast_persist()  # the grace period waits for a preemption save
+        job.fast = preempted or writemode.fast_persist()  # the grace period waits for a preemption save
         self._inflight.add(job, time.perf_counter() - t0)
         self._writer.submit(job)
         self._schedule.mark_saved()
@@ -310,78 +234,8 @@ class CheckpointManager:
         """``maybe_save(step, force=True)``."""
         self.maybe_save(step, metrics=metrics, force=True)
 
-    def _take_leases(self) -> None:
-        """One writer per root: at the first due save, before anything is written (every rank of a
-        distributed job raises rank 0's refusal alike, instead of waiting in a collective).
-
-        Raises:
-            RootInUseError: another live writer holds the root (the message names it).
-        """
-        if self._leases_taken:
-            return
-        error: tuple[bool, str] | None = None
-        try:
-            for lease in self._leases:
-                lease.acquire()
-        except RootInUseError as exc:
-            error = (True, str(exc))
-        except OSError as exc:  # the root cannot be written at all (a file in the way, no permission)
-            error = (False, f"cannot save under {lease.store.display()}: {type(exc).__name__}: {exc}; "
-                            "nothing was written. Pass a writable directory as the root")
-        if self._dist is not None:
-            error = self._dist.agree(error)
-        if error is not None:
-            for lease in self._leases:
-                lease.release()
-            raise (RootInUseError if error[0] else CheckpointWriteError)(error[1])
-        self._leases_taken = True
-
-    def _clear_step_dir(self, step_dir: str) -> None:
-        """Remove an uncommitted leftover (or, with overwrite=True, the old commit) before writing."""
-        if self._dist is not None and not self._dist.is_rank0:
-            return  # rank 0 clears; the commit protocol keeps the others from writing before it did
-        if self._store.exists(step_dir) or self._store.list_dir(step_dir):
-            logger.info("checkpointd: removing previous contents of %s before saving", self._store.display(step_dir))
-            commit.uncommit_and_remove(self._store, step_dir)
-            with self._lock:
-                if self._marked is not None:
-                    self._marked.discard(layout.parse_step_dir_name(step_dir) or -1)
-
-    def _after_commit(self, job: SaveJob) -> None:
-        """On the committer thread: record the commit, queue its upload (two tiers), then apply retention."""
-        if self._uploader is not None:
-            self._uploader.submit(job.step)
-        with self._lock:
-            if self._marked is not None:
-                self._marked.add(job.step)
-            self._metrics.record(job.step, job.manifest.metrics)
-            self._last_committed = job.step if self._last_committed is None else max(self._last_committed, job.step)
-            if self._dist is not None and not self._dist.is_rank0:
-                self._marked = None  # rank 0 applied retention; re-list on the next check
-                return
-        try:
-            self._apply_retention(job.step)
-        except Exception as exc:  # noqa: BLE001 - retention failing must not fail a committed save
-            logger.warning("checkpointd: retention after step %d failed: %s", job.step, exc)
-
-    def _after_upload(self, step: int) -> None:
-        """On the uploader thread (two tiers): local retention again, now that ``step`` is uploaded."""
-        last = self._last_committed
-        if last is not None:
-            self._apply_retention(last)
-
-    def _apply_retention(self, just_committed: int) -> None:
-        protected = self._inflight.steps() - {just_committed}
-        if self._uploader is not None:
-            protected |= self._uploader.pending_steps()  # never delete a step before its upload
-        deleted = apply_retention(self._store, self._retention, just_committed, protected, self._metrics,
-                                  ignored=frozenset(self._stale_steps))
-        with self._lock:
-            if self._marked is not None:
-                self._marked.difference_update(deleted)
-
     # ------------------------------------------------------------------------------------------
-    # waiting and failures
+    # waiting
     # ------------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Block until every started save is committed (retention applied); re-raise a background failure.
@@ -396,9 +250,9 @@ class CheckpointManager:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._inflight.wait_for(job, remaining)
         if self._uploader is not None:
-            self._raise_failures()  # a local failure first: its step will never be uploaded
+            self._roots.raise_failures()  # a local failure first: its step will never be uploaded
             self._uploader.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._raise_failures()
+        self._roots.raise_failures()
 
     @property
     def preempted(self) -> bool:
@@ -413,36 +267,12 @@ class CheckpointManager:
         """
         self._snap.wait_host()
 
-    def _raise_failures(self) -> None:
-        upload_failure = self._uploader.pop_failure() if self._uploader is not None else None
-        if upload_failure is not None:
-            step, exc = upload_failure
-            raise CheckpointWriteError(
-                f"upload of step {step} to {self._remote.display(layout.step_dir_name(step))} failed: "  # type: ignore[union-attr]
-                f"{type(exc).__name__}: {exc}. The step is committed locally at "
-                f"{self._store.display(layout.step_dir_name(step))}, not remotely; earlier uploads are intact."
-                f"{failure_hint(exc)}",
-                step=step,
-            ) from exc
-        failure = self._inflight.pop_failure()
-        if failure is None:
-            return
-        job, exc = failure
-        raise CheckpointWriteError(
-            f"background save of step {job.step} to {self._store.display(job.step_dir)} failed: "
-            f"{type(exc).__name__}: {exc}. Nothing of step {job.step} was committed; earlier checkpoints are intact."
-            f"{failure_hint(exc)}",
-            step=job.step,
-        ) from exc
-
     # ------------------------------------------------------------------------------------------
-    # restoring and listing
+    # restoring and listing (manager_restore.py)
     # ------------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, ascending (marker present; no data read); with two tiers, on either tier."""
-        if self._remote is not None:
-            return sorted(set(commit.committed_steps(self._store)) | set(commit.committed_steps(self._remote)))
-        return commit.committed_steps(self._store)
+        return self._roots.steps()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -464,136 +294,34 @@ class CheckpointManager:
 
         A newer step that fails verification is skipped with a warning and, once an older one restored,
         taken out of the checkpoints (its marker removed, its files moved to
-        ``<root>/.checkpointd-damaged/``), so the resumed run saves that step again. If committed steps exist but none verifies, raises
-        CorruptCheckpointError (never silently restarts from scratch).
+        ``<root>/.checkpointd-damaged/``), so the resumed run saves that step again. If committed steps
+        exist but none verifies, raises CorruptCheckpointError (never silently restarts from scratch).
         """
         self._check_open()
         self.wait()
         try:
-            step = self._restore_latest()
+            step = self._restorer.restore_latest()
         finally:
             self._prepare_pending_buffers()
-        self._branched(step)
+        self._roots.branched(step)
         return step
-
-    def _restore_latest(self) -> int | None:
-        if self._remote is not None:
-            from checkpointd.tiers import restore_latest_two_tier
-
-            return restore_latest_two_tier(self._store, self._remote, self._restore_step, self._quarantine_all)
-        # newest first, each checked only when reached: committed, and those whose manifest no longer
-        # matches their marker (damage); a marker that is not valid (a save still writing it) is no step
-        if self._dist is None:
-            steps = commit.candidate_steps(self._store)
-        else:  # rank 0's listing, checked there, for every rank alike
-            steps = self._dist.agree(commit.marked_steps(self._store) if self._dist.is_rank0 else None)
-        failures: list[str] = []
-        damaged: list[tuple[Store, int, BaseException]] = []
-        tried = 0
-        for step in reversed(steps):
-            if self._dist is None and not commit.has_valid_marker(self._store, layout.step_dir_name(step)):
-                continue
-            tried += 1
-            try:
-                self._restore_step(step)
-            except NOT_VERIFIED as exc:
-                warnings.warn(f"checkpointd: skipping step {step}, it does not verify: {exc}", RuntimeWarning, stacklevel=3)
-                failures.append(f"step {step}: {exc}")
-                damaged.append((self._store, step, exc))
-                continue
-            self._quarantine_all(damaged)
-            return step
-        if not tried:
-            return None
-        raise CorruptCheckpointError(
-            f"{self._store.display()} holds {tried} committed step(s) but none verifies: " + "; ".join(failures[:5])
-        )
-
-    def _quarantine_all(self, damaged: list[tuple[Store, int, BaseException]]) -> None:
-        """Once a restore succeeded: take the newer steps that failed verification out of the checkpoints.
-
-        Only then: a root where no step verifies keeps them, so every restart raises instead of
-        starting from scratch.
-        """
-        for store, step, exc in damaged:
-            moved = self._quarantine(store, step, exc)
-            if moved:
-                logger.warning("checkpointd: step %d did not verify; its files were moved to %s", step, moved)
-
-    def _quarantine(self, store: Store, step: int, exc: BaseException) -> str | None:
-        """A step that failed verification stops being committed (rank 0 acts for a distributed job)."""
-        with self._lock:
-            if self._marked is not None:
-                self._marked.discard(step)
-        if self._dist is not None and not self._dist.is_rank0:
-            return None
-        lease = next((lease for lease in self._leases if lease.store is store), None)
-        took = False
-        if lease is not None and not lease.held:
-            try:  # moving a step is a write: never under a live writer of this root
-                lease.acquire()
-                took = True
-            except RootInUseError as busy:
-                logger.warning("checkpointd: step %d failed verification; left in place: %s", step, busy)
-                return None
-        try:
-            moved = commit.quarantine(store, layout.step_dir_name(step), f"{type(exc).__name__}: {exc}")
-        finally:
-            if took and not self._leases_taken:
-                lease.release()  # type: ignore[union-attr]
-        return None if moved is None else store.display(moved)
-
-    def _branched(self, step: int | None) -> None:
-        """After a restore of ``step``: later committed steps belong to the run it branched from."""
-        self._branched_from = step
-        self._stale_steps = set() if step is None else {s for s in self._marked_steps() if s > step and self._is_committed(s)}
 
     def restore(self, step: int) -> None:
         """Restore exactly ``step`` in place (verified first).
 
         A step that fails verification is taken out of the checkpoints (as in :meth:`restore_latest`,
-        unless it is the only committed step) and the error raised. After a restore of ``step``, saving a committed step newer than it
-        replaces that step, with a warning: the run has branched from ``step``.
+        unless it is the only committed step) and the error raised. After a restore of ``step``, saving
+        a committed step newer than it replaces that step, with a warning: the run has branched from
+        ``step``.
         """
         self._check_open()
         self.wait()
         step = as_step(step)
         try:
-            self._restore_exact(step)
+            self._restorer.restore_exact(step)
         finally:
             self._prepare_pending_buffers()
-        self._branched(step)
-
-    def _restore_exact(self, step: int) -> None:
-        store = self._store
-        if self._remote is not None and not commit.is_committed(store, layout.step_dir_name(step)):
-            store = self._remote  # two tiers: the local copy is gone (retention, another node): remote
-        if not commit.is_committed(store, layout.step_dir_name(step)):
-            raise CheckpointNotFoundError(
-                f"step {step} is not committed under {store.display()} (committed: {self.steps()[-10:]})"
-            )
-        try:
-            self._restore_step(step, store)
-        except NOT_VERIFIED as exc:
-            if len(self.steps()) > 1:  # never the last committed step: restarts must keep raising
-                self._quarantine(store, step, exc)
-            raise
-
-    def _restore_step(self, step: int, store: Store | None = None) -> None:
-        step_dir = layout.step_dir_name(step)
-        store = self._store if store is None else store
-        if self._dist is not None:  # every rank verifies, they agree, each loads its part in place
-            self._dist.restore_step(store, step_dir)
-            self._schedule.mark_saved()
-            return
-        manifest, contents = restore_mod.restore_in_place(store, step_dir, self._entries)
-        rng = restore_mod.rng_of(manifest, contents)
-        if rng is not None and manifest.world_size == 1:  # per-rank RNG of a distributed run: see distributed/runtime.py
-            restore_rng(rng)
-        box = [contents, rng]
-        del contents, rng
-        restore_mod.drop_later(box)  # the read buffers are freed off this thread
-        self._schedule.mark_saved()
+        self._roots.branched(step)
 
     # ------------------------------------------------------------------------------------------
     # stats, lifecycle
@@ -606,7 +334,7 @@ class CheckpointManager:
         more are recycled), which is what decides how fast a save writes to tmpfs."""
         out = self._inflight.stats()
         out.update({
-            "last_committed_step": self._last_committed,
+            "last_committed_step": self._roots.last_committed,
             "codec": self._codec.name,
             "pinned_bytes": self._snap.pinned_bytes,
             "staging_allocations": self._snap.arena_allocations,
@@ -626,6 +354,16 @@ class CheckpointManager:
             if not len(self._inflight):
                 self._shutdown()
 
+    def _flush_at_exit(self) -> None:
+        """At interpreter exit (single process): finish the saves of a manager that was never closed."""
+        if self._closed or not len(self._inflight):
+            return
+        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(self._inflight))
+        try:
+            self.close(timeout=self._exit_timeout_secs)
+        except CheckpointError as exc:
+            logger.error("checkpointd: a save could not be finished at exit: %s", exc)
+
     def _shutdown(self) -> None:
         self._closed = True
         if self._atexit is not None:
@@ -638,8 +376,7 @@ class CheckpointManager:
             h.remove()
         self._hooks.clear()
         self._writer.close()
-        for lease in self._leases:
-            lease.release()
+        self._roots.release_leases()
         self._snap.close()
         if getattr(self, "_files_ahead", None):
             self._files_ahead.stop()
@@ -669,16 +406,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
-
-    def _marked_steps(self) -> set[int]:
-        """Steps with a marker, from one listing of the root, kept up to date by this manager's commits."""
-        if self._marked is None:
-            self._marked = set(commit.candidate_steps(self._store))
-        return self._marked
-
-    def _is_committed(self, step: int) -> bool:
-        """Whether ``step`` is committed: read only when the listing shows a marker for it."""
-        return step in self._marked_steps() and commit.is_committed(self._store, layout.step_dir_name(step))
 
     # ------------------------------------------------------------------------------------------
     # hooks and buffer preparation

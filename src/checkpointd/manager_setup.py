@@ -1,71 +1,81 @@
 """Construction-time helpers of :class:`checkpointd.manager.CheckpointManager`.
 
-Why a module of its own: argument checks, opening the store, finding the distributed runtime and the
-PhysicsNeMo hooks, and the interpreter-exit flush are each a few lines that the manager calls once;
-kept here, ``manager.py`` reads as the save/restore orchestration it is.
+Argument checks, opening a root's store, building the distributed runtime when torch.distributed is
+initialized, and the interpreter-exit flush: each a few lines the manager calls once, kept here so
+that ``manager.py`` reads as the loop-facing orchestration it is.
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import operator
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable
 
-from checkpointd.errors import CheckpointError, ConfigError
+from checkpointd import distributed
+from checkpointd.distributed.runtime import DistributedRuntime
+from checkpointd.errors import ConfigError
+from checkpointd.options import DistributedOptions, IOOptions, StagingOptions
 from checkpointd.storage.retry import RetryPolicy
 from checkpointd.storage.store import Store
 
-if TYPE_CHECKING:
-    from checkpointd.manager import CheckpointManager
-
 logger = logging.getLogger("checkpointd")
 
+VALID_MODES = ("full", "sharded")
+"""The ``mode`` values: one full copy of the state, or one file set per rank (torch.distributed)."""
 
-def register_flush_at_exit(mgr: "CheckpointManager") -> Any:
-    """At interpreter exit, finish the saves a manager that was never closed still has in flight.
 
-    Without it, the writer threads (daemons) die with the interpreter and a started save is silently
-    not committed. Single-process only: in a distributed run the other ranks may already be gone.
+def check_arguments(mode: str, max_pending: Any, staging: Any, io: Any, dist: Any) -> None:
+    """The manager's own argument checks (the option groups check their fields when built).
+
+    Raises:
+        ConfigError: naming the argument and what it takes.
     """
-    ref = weakref.ref(mgr)
+    if mode not in VALID_MODES:
+        raise ConfigError(f"mode must be one of {VALID_MODES}, got {mode!r}")
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
+    for name, value, kind in (("staging", staging, StagingOptions), ("io", io, IOOptions),
+                              ("distributed", dist, DistributedOptions)):
+        if not isinstance(value, kind):
+            raise ConfigError(f"{name} must be a checkpointd.{kind.__name__}, got {type(value).__name__}")
+    check_host_budget(staging.host_budget_bytes, mode)
 
-    def flush() -> None:
-        m = ref()
-        if m is None or m._closed or not len(m._inflight):
-            return
-        logger.warning("checkpointd: the manager was not closed; finishing %d save(s) before exit", len(m._inflight))
-        try:
-            m.close(timeout=m._exit_timeout_secs)
-        except CheckpointError as exc:
-            logger.error("checkpointd: a save could not be finished at exit: %s", exc)
+
+def check_host_budget(budget: int | None, mode: str) -> None:
+    """A host staging budget streams each rank's own files: not with full-mode distributed saves."""
+    if budget is not None and mode == "full" and distributed.is_active():
+        raise ConfigError("StagingOptions.host_budget_bytes is not supported with mode='full' under torch.distributed "
+                          "(rank 0 stages the gathered full state); use mode='sharded', whose per-rank files stream "
+                          "through the budget, or drop the budget")
+
+
+def register_flush_at_exit(flush: Callable[[], None]) -> Any:
+    """Call the bound method ``flush`` at interpreter exit, while its object is alive.
+
+    The manager's flush finishes the saves still in flight: without it the writer threads (daemons)
+    die with the interpreter and a started save is silently not committed. Only a weak reference is
+    kept, so an unclosed manager is still collected. Returns what ``atexit.unregister`` takes, or None
+    where the hook needs no unregistering.
+    """
+    ref = weakref.WeakMethod(flush)  # type: ignore[arg-type]
+
+    def at_exit() -> None:
+        method = ref()
+        if method is not None:
+            method()
 
     # threading's exit hooks run (newest first) before concurrent.futures stops accepting work, and
     # before plain atexit handlers; fall back to atexit where that private hook does not exist.
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        register(flush)
+        register(at_exit)
         return None
-    atexit.register(flush)
-    return flush
-
-
-def check_host_budget(budget: Any, mode: str) -> None:
-    """``host_staging_budget_bytes``: a positive int or None; not with full-mode distributed saves."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ConfigError(f"host_staging_budget_bytes must be a positive int (bytes) or None, got {budget!r}")
-    from checkpointd import distributed
-
-    if mode == "full" and distributed.is_active():
-        raise ConfigError("host_staging_budget_bytes is not supported with mode='full' under torch.distributed "
-                          "(rank 0 stages the gathered full state); use mode='sharded', whose per-rank files stream "
-                          "through the budget, or drop the budget")
+    atexit.register(at_exit)
+    return at_exit
 
 
 def as_step(step: Any) -> int:
@@ -80,22 +90,19 @@ def as_step(step: Any) -> int:
 
 
 def as_steps(at_steps: Iterable[int]) -> list[int]:
+    """``at_steps`` as a list of ints; ConfigError when it is not an iterable of ints."""
     try:
         return [int(s) if not isinstance(s, bool) else -1 for s in at_steps]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"at_steps must be an iterable of ints, got {at_steps!r}") from exc
 
 
-def failure_hint(exc: BaseException) -> str:
-    """What to do about a background failure, for the causes that have an obvious remedy."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return " The storage is full: free space (or lower keep_last) and the next save will succeed."
-    if isinstance(exc, PermissionError):
-        return " Check that this process may write to the checkpoint root."
-    return ""
-
-
 def open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_secs: float) -> Store:
+    """The store of a checkpoint root, retrying transient errors for ``retry_timeout_secs``.
+
+    Raises:
+        ConfigError: ``root`` is not a path or URL, or names a file.
+    """
     if not isinstance(root, (str, os.PathLike)):
         raise ConfigError(f"root must be a path or URL string, got {type(root).__name__}")
     store = Store(root, storage_options, retry=RetryPolicy(max_elapsed_secs=retry_timeout_secs))
@@ -104,33 +111,12 @@ def open_store(root: Any, storage_options: dict[str, Any] | None, retry_timeout_
     return store
 
 
-def distributed_runtime(entries: Any, mode: str, timeout_secs: float) -> Any:
+def distributed_runtime(entries: Any, mode: str, timeout_secs: float) -> DistributedRuntime | None:
     """A DistributedRuntime when torch.distributed is initialized (collective: every rank builds its manager)."""
-    from checkpointd import distributed
-
     if not distributed.is_active():
         return None
-    from checkpointd.distributed.runtime import DistributedRuntime
-
     return DistributedRuntime(entries, mode, timeout_secs)
 
 
-def physicsnemo_detector() -> Any:
-    try:
-        from checkpointd.format.mdlus import is_physicsnemo_module
-
-        return is_physicsnemo_module
-    except ImportError:
-        return None
-
-
-def mdlus_members() -> Any:
-    try:
-        from checkpointd.format.mdlus import mdlus_json_members
-
-        return mdlus_json_members
-    except ImportError:
-        return None
-
-
-__all__ = ["as_step", "as_steps", "check_host_budget", "distributed_runtime", "failure_hint", "mdlus_members", "open_store", "physicsnemo_detector", "register_flush_at_exit"]
+__all__ = ["VALID_MODES", "as_step", "as_steps", "check_arguments", "check_host_budget", "distributed_runtime",
+           "open_store", "register_flush_at_exit"]

@@ -8,7 +8,7 @@ then ``manifest.json``, then ``COMMITTED`` with the very bytes of the local mark
 both tiers; a step waiting for its upload is never deleted locally. ``restore_latest`` takes the
 newest step committed on either tier, from a verified local copy when there is one, else remote.
 
-Failures: an upload is retried like any storage call (``retry_timeout_secs``); once given up, the next
+Failures: an upload is retried like any storage call (``IOOptions.retry_timeout_secs``); once given up, the next
 ``maybe_save``/``wait``/``close`` raises ``CheckpointWriteError`` for that step (its local copy stays
 committed). Backpressure: ``maybe_save`` waits while more than ``max_pending`` committed steps are
 still waiting for their upload, so a slow remote bounds local disk use instead of growing a queue.

@@ -3,6 +3,7 @@ of everything outside the root, so each attack can assert that nothing outside c
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 from pathlib import Path
@@ -27,6 +28,30 @@ def fingerprint(top: Path) -> dict[str, tuple]:
             else:
                 out[rel] = ("other", 0, "", st.st_nlink, "")
     return out
+
+
+@pytest.fixture(scope="package", autouse=True)
+def collector_managed_by_the_suite():
+    """The cyclic garbage collector off while the attack suite runs, as an application that manages it
+    itself: a manager then leaves the heap alone (``StagingOptions.freeze_gc`` applies to an enabled
+    collector), where it would otherwise run a full collection of the test runner's heap at each
+    construction (about a second with torch loaded). Nothing here depends on when cycles are collected;
+    the young generations are collected after each test, everything once at the end."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def collect_young_garbage():
+    """Each test's cyclic garbage (the young generations: milliseconds) collected after it."""
+    yield
+    gc.collect(1)
 
 
 @pytest.fixture

@@ -202,7 +202,7 @@ def edit_manifest(d: Path, change: Callable[[dict[str, Any]], Any], *, sign: boo
 def forge_native(d: Path, rel: str, native: bytes, *, checksum: bool = True, raw_size: int | None = None) -> None:
     """Replace data file ``rel`` by ``native`` (encoded with the file's codec) and make the manifest
     (size, raw size and, with ``checksum``, the checksum) and the marker agree with it. Without
-    ``checksum`` the old checksum stays: the file has the listed size but fails its checksum."""
+    ``checksum`` the checksum of the original bytes stays: the file has the listed size but fails its checksum."""
     entry = next(f for f in _manifest(d)["files"] if f["path"] == rel)
     stored = _encode(entry["codec"], native) if entry["codec"] not in ("none", "") else native
     (d / rel).write_bytes(stored)

@@ -2,36 +2,35 @@
 written, whatever links the root holds (SPEC §2, untrusted input).
 
 Each attack plants symbolic or hard links into ``root`` that lead to ``outside`` (or to another run),
-runs saves, retention, ``close()`` or ``checkpointd gc``, and asserts that everything outside is as it
-was (content, and link counts once the library has removed the names planted in the root), and that
-the run itself is unharmed: saves commit and restore bit-exact.
+runs saves, retention, ``close()`` or ``checkpointd gc``, and asserts that everything outside keeps its
+content (and its link counts, once the library has removed the names planted in the root), and that the
+run itself is unharmed: saves commit and restore bit-exact.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpointd import CheckpointManager, CheckpointWriteError, load
-from checkpointd.storage import recycle
+from checkpointd.storage import filesahead, recyclebin
 from checkpointd.storage.store import LinkedPathError, Store
 
+from . import craft
 from .conftest import fingerprint
 
-BIN = recycle.BIN_NAME
+BIN = recyclebin.BIN_NAME
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(autouse=True)
 def small_recycling(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files of 32 KiB and more are recycled (instead of 16 MiB), so small models exercise the bin."""
-    monkeypatch.setattr(recycle, "MIN_RECYCLE_BYTES", 32 << 10)
+    monkeypatch.setattr(recyclebin, "MIN_RECYCLE_BYTES", 32 << 10)
 
 
 def _entries(root) -> list[str]:
@@ -64,9 +63,9 @@ def _restores(root: Path, step: int, model: torch.nn.Module) -> None:
     assert torch.equal(fresh.weight, model.weight)
 
 
-def _gc(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checkpointd", "gc", str(root), "--older-than", "0"],
-                          capture_output=True, text=True, timeout=120)
+def _gc(root: Path) -> tuple[int, str]:
+    """``checkpointd gc ROOT --older-than 0`` (in this process): the exit code and the output."""
+    return craft.cli("gc", str(root), "--older-than", "0")
 
 
 def _other_run(tmp_path: Path) -> tuple[Path, dict]:
@@ -80,7 +79,7 @@ def _other_run(tmp_path: Path) -> tuple[Path, dict]:
 # -- the recycling bin ------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(recycle._F_SETLEASE is None, reason="recycling needs Linux leases")
+@pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="recycling needs Linux leases")
 def test_a_bin_linked_outside_is_never_used_and_removed_as_a_link(root, outside, caplog) -> None:
     """``<root>/.checkpointd-recycle -> outside``: retention, files made ahead and ``close()`` never
     move, write or unlink anything there (``precious.bin`` looks like a bin entry); recycling is
@@ -98,24 +97,24 @@ def test_a_bin_linked_outside_is_never_used_and_removed_as_a_link(root, outside,
     _restores(root, 4, model)
 
 
-@pytest.mark.skipif(recycle._F_SETLEASE is None, reason="recycling needs Linux leases")
+@pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="recycling needs Linux leases")
 def test_gc_removes_a_bin_linked_outside_as_a_link(root, outside) -> None:
     top, check = outside
     model = _save(root, [1])
     (root / BIN).symlink_to(top, target_is_directory=True)
-    result = _gc(root)
-    assert result.returncode == 0, result.stderr
+    code, out = _gc(root)
+    assert code == 0, out
     check()
     assert not os.path.lexists(root / BIN)
     _restores(root, 1, model)
 
 
-@pytest.mark.skipif(recycle._F_SETLEASE is None, reason="recycling needs Linux leases")
+@pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="recycling needs Linux leases")
 def test_a_hard_link_planted_in_the_bin_is_never_written(root, outside, monkeypatch) -> None:
     """A hard link to someone else's file, named and sized like a retired file, is never taken by a
     save: the outside file keeps its bytes, and the planted name is gone after ``close()``."""
     top, check = outside
-    monkeypatch.setenv(recycle.FILES_AHEAD_ENV, "0")
+    monkeypatch.setattr(filesahead, "FILES_AHEAD_SETS", 0)  # no blank files: the bin holds only the planted one
     model = _model(1.0)
     with CheckpointManager(root, {"model": model}, every_n_steps=1, keep_last=1) as mgr:
         mgr.save(1)
@@ -123,14 +122,14 @@ def test_a_hard_link_planted_in_the_bin_is_never_written(root, outside, monkeypa
         (root / BIN).mkdir(exist_ok=True)
         planted = root / BIN / ("0" * 32 + ".bin")
         os.link(top / "precious.bin", planted)  # 64 KiB: within what the model's file would take
-        assert planted.stat().st_size >= recycle.MIN_RECYCLE_BYTES
+        assert planted.stat().st_size >= recyclebin.MIN_RECYCLE_BYTES
         for step in (2, 3, 4):
             with torch.no_grad():
                 model.weight.add_(1.0)
             mgr.save(step)
             mgr.wait()
             assert torch.equal(load(root, step=step)["model"]["weight"], model.weight)
-    check()  # the planted name was removed (retirement or close), never written through
+    check()  # the planted name is gone (retirement or close), never written through
     _restores(root, 4, model)
 
 
@@ -173,8 +172,8 @@ def test_retention_and_gc_remove_a_linked_step_as_a_link(root, tmp_path) -> None
     assert fingerprint(other) == before
     assert _entries(root) == ["step-000000006"]
     (root / "step-000000004").symlink_to(other / "step-000000010", target_is_directory=True)
-    result = _gc(root)
-    assert result.returncode == 0, result.stderr
+    code, out = _gc(root)
+    assert code == 0, out
     assert fingerprint(other) == before
     assert _entries(root) == ["step-000000006"]
     _restores(root, 6, model)
@@ -219,8 +218,8 @@ def test_retention_and_gc_clear_leftovers_of_links_without_following_them(root, 
     model = _save(root, [5], keep_last=1)
     assert _entries(root) == ["step-000000005"]
     _leftover_with_links(root / "step-000000004", top)
-    result = _gc(root)
-    assert result.returncode == 0, result.stderr
+    code, out = _gc(root)
+    assert code == 0, out
     check()
     assert _entries(root) == ["step-000000005"]
     _restores(root, 5, model)

@@ -117,7 +117,7 @@ PATHS: dict[str, Callable[[Path, Path, Path], None]] = {
 
 def _not_decoy(values: Any) -> None:
     weight = values.get("model", {}).get("weight") if isinstance(values, dict) else None
-    assert weight is None or not torch.equal(weight, torch.full((4, 4), 7.0)), "the decoy outside the step was loaded"
+    assert weight is None or not torch.equal(weight, torch.full((4, 4), 7.0)), "the decoy outside the step got loaded"
 
 
 @pytest.mark.parametrize("attack", sorted(PATHS))

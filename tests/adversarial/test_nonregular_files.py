@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,8 @@ import torch
 
 from checkpointd import CheckpointManager, CorruptCheckpointError, IncompleteCheckpointError, load
 from checkpointd.storage.store import Store
+
+from . import craft
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,10 +82,9 @@ def test_verify_names_a_nonregular_file_and_fails(root, tmp_path, kind, which) -
     target = _data_file(step2) if which == "data" else step2 / "manifest.json"
     _plant(target, kind, tmp_path)
     where = root if which == "data" else step2  # a step whose manifest does not match is no commit of the root
-    result = subprocess.run([sys.executable, "-m", "checkpointd", "verify", str(where)],
-                            capture_output=True, text=True, timeout=50)
-    assert result.returncode != 0
-    assert target.name in result.stdout + result.stderr
+    code, out = craft.cli("verify", str(where))
+    assert code != 0
+    assert target.name in out
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -188,8 +188,8 @@ def test_seek_decodes_only_the_chunks_it_needs(codec, monkeypatch) -> None:
     records = serializer_pattern([weights(torch.float32, 400_000), weights(torch.bfloat16, 300_000)])
     encoded, native = encode(codec, records)
     decoded_chunks = []
-    original = codec._decode_into
-    monkeypatch.setattr(codec, "_decode_into", lambda frame, out: decoded_chunks.append(out.nbytes) or original(frame, out))
+    original = codec.decode_into
+    monkeypatch.setattr(codec, "decode_into", lambda frame, out: decoded_chunks.append(out.nbytes) or original(frame, out))
     with codec.open_decoded(io.BytesIO(encoded)) as stream:
         start = len(native) // 2 + 12_345
         assert stream.seek(start) == start and stream.tell() == start
@@ -291,10 +291,10 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
     itemsize = dtype.itemsize
     raw = values.to(dtype).view(torch.uint8).numpy().tobytes()
     expected = _reference_planes(raw, itemsize)
-    planes = kernels._to_planes(memoryview(raw), itemsize)
+    planes = kernels.to_planes(memoryview(raw), itemsize)
     assert [bytes(p) for p in planes] == expected
     out = np.zeros(len(raw), dtype=np.uint8)
-    kernels._from_planes([np.frombuffer(p, dtype=np.uint8) for p in expected], out)
+    kernels.from_planes([np.frombuffer(p, dtype=np.uint8) for p in expected], out)
     assert out.tobytes() == raw
     # whole chunks with an odd tail (partial element), every plane raw and every plane compressed
     for tail in (b"", b"\x7f\x01\x02"[: itemsize - 1]):
@@ -303,7 +303,7 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
             parts = kernels.encode_planes(chunk, itemsize, worth)
             assert [bytes(p) for p in parts[1 : 1 + itemsize] if not worth[0]] == (expected if not worth[0] else [])
             body = b"".join(bytes(p) for p in parts)
-            frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+            frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
             decoded = np.zeros(len(chunk), dtype=np.uint8)
             kernels.decode_chunk_into(memoryview(frame), decoded)
             assert decoded.tobytes() == bytes(chunk)
@@ -320,13 +320,13 @@ def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
     values[::400] = 0.0
     values[: min(numel, 3)] = torch.tensor([float("inf"), 1e30, -0.0])[: min(numel, 3)]
     raw = values.view(torch.uint8).numpy().tobytes() + b"\x05"
-    planes = kernels._to_planes(memoryview(raw), 4)
+    planes = kernels.to_planes(memoryview(raw), 4)
     base = max(0, int(np.bincount(planes[3], minlength=256).argmax()) - 7)
     parts = kernels.encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
     body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     mode = kernels._PLANE.unpack_from(body, kernels._CHUNK_HEADER.size + 3 * kernels._PLANE.size)[0]
     assert mode == (2 if numel > 10_000 else mode)
-    frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -336,21 +336,21 @@ def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
         kernels.decode_chunk_into(memoryview(bytes(broken)), decoded)
 
 
-def test_planes_chunks_written_before_the_nibble_mode_still_decode() -> None:
-    """Old chunks: flags 1 (rotated, CRC of raw planes only), zstd planes with their own checksum."""
+def test_planes_chunks_with_a_crc_of_raw_planes_only_decode() -> None:
+    """Chunks with flags 1 (rotated, CRC of raw planes only): zstd planes carry their own checksum."""
     import numpy as np
     import zstandard
 
     from checkpointd.codecs import planes as kernels
 
     raw = (torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 0.02).view(torch.uint8).numpy().tobytes()
-    planes = kernels._to_planes(memoryview(raw), 4)
+    planes = kernels.to_planes(memoryview(raw), 4)
     exponent = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(planes[3].tobytes())
     stored = [planes[0].tobytes(), planes[1].tobytes(), planes[2].tobytes(), exponent]
     crc = kernels.crc32(b"".join(stored[:3]))
     table = b"".join(kernels._PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
     body = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
-    frame = kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -358,18 +358,19 @@ def test_planes_chunks_written_before_the_nibble_mode_still_decode() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
 def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtype, monkeypatch) -> None:
-    """Blocks of ``_MERGE_BYTES`` (byte columns for 4-byte elements, the tree otherwise) join up exactly."""
+    """Blocks of ``MERGE_BYTES`` (byte columns for 4-byte elements, the tree otherwise) join up exactly."""
     import numpy as np
 
+    from checkpointd.codecs import plane_kernels
     from checkpointd.codecs import planes as kernels
 
-    monkeypatch.setattr(kernels, "_MERGE_BYTES", 4096)
+    monkeypatch.setattr(plane_kernels, "MERGE_BYTES", 4096)
     values = torch.randn(10_007, generator=torch.Generator().manual_seed(5)) * 0.02
     values[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
     raw = values.to(dtype).view(torch.uint8).numpy().tobytes() + b"\x11"
     itemsize = kernels.plane_itemsize(dtype)
     expected = _reference_planes(raw[: len(raw) // itemsize * itemsize], itemsize)
-    assert [bytes(p) for p in kernels._to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
+    assert [bytes(p) for p in kernels.to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
     frame = b"".join(bytes(memoryview(p).cast("B")) for p in kernels.encode_chunk(memoryview(raw), dtype, 1))
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
@@ -387,7 +388,7 @@ def _planes_frame(kernels, itemsize: int, stored: list[tuple[int, bytes]], nativ
     flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
     header = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, itemsize, flags, native, kernels.crc32(blobs))
     body = header + table + blobs
-    return kernels._FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    return kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
 
 
 @pytest.mark.parametrize("escapes", [0, 1, 2, 5])
@@ -406,11 +407,11 @@ def test_nibble_plane_escapes_are_counted_exactly(escapes: int) -> None:
     padded = np.concatenate([codes, np.zeros(2 * half - count, np.uint8)])
     escaped = hi[codes == 15]
     expected = np.zeros(2 * count, dtype=np.uint8)
-    kernels._from_planes([lo, hi], expected)
+    kernels.from_planes([lo, hi], expected)
 
     def frame(claimed: int, values: np.ndarray) -> memoryview:
         packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
-        nibbles = kernels._NIBBLES.pack(base, claimed) + kernels._plane_compressor().compress(packed)
+        nibbles = kernels.NIBBLES.pack(base, claimed) + kernels.plane_compressor().compress(packed)
         stored = [(kernels._MODE_RAW, lo.tobytes()), (kernels._MODE_NIBBLES, nibbles)]
         return memoryview(_planes_frame(kernels, 2, stored, 2 * count))
 
@@ -432,7 +433,7 @@ def test_zstd_plane_of_the_wrong_size_is_corrupt(extra: int) -> None:
 
     count = 1000
     plane = bytes(range(256)) * 4
-    wrong = kernels._plane_compressor().compress(plane[: count + extra])
+    wrong = kernels.plane_compressor().compress(plane[: count + extra])
     stored = [(kernels._MODE_RAW, plane[:count]), (kernels._MODE_ZSTD, wrong)]
     decoded = np.zeros(2 * count, dtype=np.uint8)
     with pytest.raises(CorruptCheckpointError, match="decodes to"):

@@ -34,9 +34,9 @@ def hang_on_rank1(rank: int, world: int, root: str) -> Any:
     """Rank 1 hangs with a manager open that took SIGUSR1 (its preemption signal) for itself."""
     import torch
 
-    from checkpointd import CheckpointManager
+    from checkpointd import CheckpointManager, DistributedOptions
 
-    with CheckpointManager(root, {"m": torch.nn.Linear(2, 2)}, save_on_signals=True, dist_timeout_secs=30):
+    with CheckpointManager(root, {"m": torch.nn.Linear(2, 2)}, save_on_signals=True, distributed=DistributedOptions(timeout_secs=30)):
         if rank == 1:  # construction was collective; closing is not
             time.sleep(120)
     return rank

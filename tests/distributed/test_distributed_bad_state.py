@@ -2,7 +2,7 @@
 
 The rank whose state cannot be saved gets its own StateError naming the entry and key; the other ranks
 get a CheckpointError (a StateError) naming that rank and its error, within a fraction of a second,
-not at ``dist_timeout_secs``. Nothing of that step is committed, and the next save commits on every
+not at ``DistributedOptions.timeout_secs``. Nothing of that step is committed, and the next save commits on every
 rank and restores bit-exactly. Covered in full and sharded mode: an unpicklable object and a key of
 the wrong type in a stateful's ``state_dict()``, a meta tensor in a plain-data entry, a ``state_dict()``
 that raises (in full mode under FSDP2, before the ranks gather), and ranks that stop agreeing on a step.
@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from dist_harness import device, fsdp2_with_adamw, gathered_state, run_distributed, assert_same_state, train_same_batches
 
-from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError, StateError
+from checkpointd import CheckpointError, CheckpointManager, CheckpointWriteError, DistributedOptions, StateError
 
 FAST_SECS = 10.0
 """A bad save must fail on every rank well within this (the coordination timeout below is 30 s)."""
@@ -73,7 +73,7 @@ def faults_on_rank1(rank: int, world: int, root: str, mode: str) -> dict[str, An
     data = {"w": torch.ones(2), "note": "run-a"}
     out: dict[str, Any] = {"attempts": {}}
     mgr = CheckpointManager(root, {"model": model, "flaky": flaky, "data": data}, mode=mode, keep_last=None,
-                            compression=None, dist_timeout_secs=30)
+                            compression=None, distributed=DistributedOptions(timeout_secs=30))
     assert _attempt(mgr, 1)["error"] is None
     mgr.wait()
     for step, (fault, _) in FAULTS.items():
@@ -160,7 +160,7 @@ def raises_before_gather(rank: int, world: int, root: str, mode: str) -> dict[st
     flaky = Flaky()
     out: dict[str, Any] = {}
     mgr = CheckpointManager(root, {"flaky": flaky, "model": model, "optim": opt}, mode=mode, compression=None,
-                            dist_timeout_secs=30)
+                            distributed=DistributedOptions(timeout_secs=30))
     for step in (1, 2, 3):
         train_same_batches(model, opt, 1, seed=step, features=8)
         flaky.fault = "raises" if rank == 1 and step == 2 else None
@@ -211,7 +211,7 @@ def staging_fails_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
     _fail_staging_of_step_2_on_rank_1(rank)
     DistributedRuntime.abandon = lambda self, step, error: None  # type: ignore[method-assign]  # the net alone
     errors: list[str] = []
-    mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", dist_timeout_secs=30)
+    mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", distributed=DistributedOptions(timeout_secs=30))
     for step in (1, 2, 3):
         try:
             mgr.save(step)
@@ -241,7 +241,7 @@ def staging_fails_and_abandons(rank: int, world: int, root: str) -> dict[str, An
     and step 3 commits on both ranks."""
     _fail_staging_of_step_2_on_rank_1(rank)
     errors: list[str] = []
-    mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", dist_timeout_secs=30)
+    mgr = CheckpointManager(root, {"model": nn.Linear(4, 4).to(device())}, mode="sharded", distributed=DistributedOptions(timeout_secs=30))
     mgr.save(1)
     t0 = time.monotonic()
     try:

@@ -2,8 +2,8 @@
 
 Two managers save the same live state into two roots at every step: one with the caches of
 ``distributed/statecache.py`` and ``split_tree``, one with them switched off. (Not with
-``CHECKPOINTD_VERIFY_STATE_CACHE``: its extra full call would run the state-dict pre-hooks and so hide
-a cached path that forgot to.) Between saves the
+``statecache.VERIFY_PLANS``: its extra full call would run the state-dict pre-hooks and so hide a
+cached path that forgot to.) Between saves the
 run changes what a cache must notice: lr by a scheduler, non-tensor optimizer state, a new param group
 (state for new parameters), a module restructured, a state-dict pre-hook that writes a buffer. Every
 data file must be byte-identical and the manifests equal (but for the time); the hit/miss pattern shows
@@ -22,7 +22,7 @@ import torch.nn as nn
 from dist_harness import device, run_distributed, world_mesh
 
 import checkpointd
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, DistributedOptions
 
 
 class Net(nn.Module):
@@ -73,7 +73,7 @@ def _train(net: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator) -> No
 def cached_vs_full(rank: int, world: int, root_a: str, root_b: str) -> Any:
     net, opt, sched, head = _build()
     state = {"model": net, "optim": opt, "sched": sched, "head": head}
-    kw = dict(mode="sharded", compression=None, keep_last=None, dist_timeout_secs=30)
+    kw = dict(mode="sharded", compression=None, keep_last=None, distributed=DistributedOptions(timeout_secs=30))
     a = CheckpointManager(root_a, state, **kw)
     b = CheckpointManager(root_b, state, **kw)
     b._dist.local_states.enabled = False  # the full path, every save
@@ -161,7 +161,7 @@ def prepared_ahead(rank: int, world: int, root: str) -> Any:
     net, opt, _sched, _head = _build()
     g = torch.Generator().manual_seed(rank)
     with CheckpointManager(root, {"model": net, "optim": opt}, mode="sharded", compression=None,
-                           dist_timeout_secs=30) as mgr:
+                           distributed=DistributedOptions(timeout_secs=30)) as mgr:
         before_step = mgr.stats()["staging_allocations"]  # no optimizer state yet: nothing to prepare
         _train(net, opt, g)  # the optimizer-step hook prepares staging buffers in the background
         deadline = time.monotonic() + 20

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dist_harness import device, run_distributed
 
-from checkpointd import CheckpointManager, CheckpointWriteError
+from checkpointd import CheckpointManager, CheckpointWriteError, DistributedOptions, IOOptions
 
 
 def rank_fails(rank: int, world: int, root: str, mode: str) -> Any:
@@ -22,10 +22,10 @@ def rank_fails(rank: int, world: int, root: str, mode: str) -> Any:
     plan = FaultPlan(Fault(op="write", error=lambda op, path: OSError(28, "No space left on device")))
     plan.enabled = False
     if rank == 1:
-        mgr = CheckpointManager(f"faulty://{root}", {"model": model}, mode=mode, retry_timeout_secs=0.2,
-                                storage_options={"target_protocol": "file", "faults": plan}, dist_timeout_secs=30)
+        mgr = CheckpointManager(f"faulty://{root}", {"model": model}, mode=mode, io=IOOptions(retry_timeout_secs=0.2),
+                                storage_options={"target_protocol": "file", "faults": plan}, distributed=DistributedOptions(timeout_secs=30))
     else:
-        mgr = CheckpointManager(root, {"model": model}, mode=mode, dist_timeout_secs=30)
+        mgr = CheckpointManager(root, {"model": model}, mode=mode, distributed=DistributedOptions(timeout_secs=30))
     mgr.save(1)
     mgr.wait()
     plan.enabled = True
@@ -55,7 +55,7 @@ def test_rank_failure_surfaces_everywhere_and_commits_nothing(tmp_path: Path, mo
 def time_schedule(rank: int, world: int, root: str) -> Any:
     model = nn.Linear(2, 2).to(device())
     decisions = []
-    with CheckpointManager(root, {"model": model}, every_n_seconds=0.05, mode="sharded", dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model}, every_n_seconds=0.05, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         for step in range(1, 9):
             time.sleep(0.02 * (1 + rank))  # the ranks' clocks disagree on purpose
             decisions.append(mgr.maybe_save(step))

@@ -16,7 +16,7 @@ import torch.nn as nn
 from dist_harness import device, run_distributed
 
 import checkpointd
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, DistributedOptions
 
 
 def _conv_net() -> nn.Module:
@@ -46,12 +46,12 @@ def fsdp1_channels_last(rank: int, world: int, root: str, mode: str) -> Any:
     for _ in range(2):
         _step(model, opt, g)
         _step(ref, ref_opt, gr)
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         mgr.save(2)
     fresh = FSDP(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)).to(memory_format=torch.channels_last).to(device()),
                  use_orig_params=False, device_id=device())
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
-    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.restore_latest() == 2
     osd = get_optimizer_state_dict(fresh, fresh_opt, options=StateDictOptions(full_state_dict=True))
     names = [n for n, _ in ref.named_parameters()]
@@ -98,12 +98,12 @@ def mesh_2d(rank: int, world: int, root: str, shape: tuple[int, int], action: st
     if action == "save":
         module.pos.grad = torch.ones_like(module.pos)
         opt.step()
-        with CheckpointManager(root, {"embed": module, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        with CheckpointManager(root, {"embed": module, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
             mgr.save(1)
     else:
         with torch.no_grad():
             module.pos.zero_()
-        with CheckpointManager(root, {"embed": module, "optim": opt}, dist_timeout_secs=30) as mgr:
+        with CheckpointManager(root, {"embed": module, "optim": opt}, distributed=DistributedOptions(timeout_secs=30)) as mgr:
             assert mgr.restore_latest() == 1
     p = module.pos
     return {"type": type(p).__name__, "placements": [str(x) for x in p.placements],
@@ -133,12 +133,12 @@ def ddp_round_trip(rank: int, world: int, root: str) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(2, 4, device=device())).sum().backward()
     opt.step()
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         mgr.save(1)
     torch.manual_seed(1)
     other = DDP(nn.Linear(4, 3).to(device()))
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    with CheckpointManager(root, {"model": other, "optim": other_opt}, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": other, "optim": other_opt}, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.restore_latest() == 1
     return all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())) and torch.equal(
         opt.state[model.module.weight]["momentum_buffer"], other_opt.state[other.module.weight]["momentum_buffer"])

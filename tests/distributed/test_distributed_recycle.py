@@ -17,10 +17,10 @@ import torch.nn as nn
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 from tree_compare import big_files
 
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, DistributedOptions, StagingOptions
 from checkpointd.storage import recycle
 
-pytestmark = pytest.mark.skipif(recycle._F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
+pytestmark = pytest.mark.skipif(recycle.F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 WIDTH = 2560  # a rank's shard of the model: 2 x 2560^2 / 2 fp32 = 26 MB, its AdamW state twice that
 
@@ -43,16 +43,17 @@ def _inodes(root: str) -> dict[str, int]:
 def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto", budget: int | None = None) -> Any:
     import torch.distributed as dist
 
-    from checkpointd.storage import persist_process
     from checkpointd.save import snapshot
+    from checkpointd.storage import filesahead, persist_process, writemode
 
-    os.environ["CHECKPOINTD_WRITE_MODE"] = write_mode  # here: a forkserver's children do not see the test's environment
-    os.environ["CHECKPOINTD_FILES_AHEAD"] = "0"  # the bin holds retired files only (files made ahead: test_recycle.py)
+    writemode.WRITE_MODE = write_mode  # set in the rank's process: a forkserver child imports checkpointd afresh
+    filesahead.FILES_AHEAD_SETS = 0  # the bin holds retired files only (files made ahead: test_recycle.py)
     snapshot.STREAM_CPU_TENSORS = budget is not None  # CPU shards through the host budget's ring, as CUDA ones
     model, opt = fsdp2_with_adamw(_Net, seed=0)
     seen = []
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression=None,
-                           keep_last=1, every_n_steps=1, dist_timeout_secs=30, host_staging_budget_bytes=budget) as mgr:
+                           keep_last=1, every_n_steps=1, distributed=DistributedOptions(timeout_secs=30),
+                           staging=StagingOptions(host_budget_bytes=budget)) as mgr:
         for step in range(4):
             train_same_batches(model, opt, 1, seed=step, features=WIDTH)
             mgr.save(step)
@@ -62,7 +63,7 @@ def sharded_recycling(rank: int, world: int, root: str, write_mode: str = "auto"
             dist.barrier()
         want = gathered_state(model, opt)
     fresh, fresh_opt = fsdp2_with_adamw(_Net, seed=1)
-    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         restored = mgr.restore_latest()
     assert restored == 3
     assert_same_state(gathered_state(fresh, fresh_opt), want)
@@ -95,11 +96,13 @@ def first_saves_into_files_made_ahead(rank: int, world: int, root: str) -> Any:
 
     import torch.distributed as dist
 
-    os.environ["CHECKPOINTD_FILES_AHEAD"] = "2"
+    from checkpointd.storage import filesahead
+
+    filesahead.FILES_AHEAD_SETS = 2
     model, opt = fsdp2_with_adamw(_Net, seed=0)
     train_same_batches(model, opt, 1, seed=0, features=WIDTH)  # the optimizer's state exists: one file size
     with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression=None,
-                           keep_last=1, every_n_steps=1, dist_timeout_secs=30) as mgr:
+                           keep_last=1, every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.restore_latest() is None  # the staging buffers, then this rank's blank files
         deadline = time.monotonic() + 60
         while len(mgr._files_ahead.made) < 2 and time.monotonic() < deadline:
@@ -119,16 +122,15 @@ def first_saves_into_files_made_ahead(rank: int, world: int, root: str) -> Any:
         dist.barrier()
         want = gathered_state(model, opt)
     fresh, fresh_opt = fsdp2_with_adamw(_Net, seed=1)
-    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": fresh, "optim": fresh_opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.restore_latest() == 1
     assert_same_state(gathered_state(fresh, fresh_opt), want)
     return made, blank, written, recycled
 
 
 def test_every_rank_of_a_host_writes_its_first_saves_into_files_made_ahead(tmp_path: Path) -> None:
-    """Two ranks on one host share the bin: each makes blank files for its first two saves (before
-    session 25 only the first rank to start did, and the other's first saves wrote new files), and
-    the two saves of both ranks take all four."""
+    """Two ranks on one host share the bin: each makes blank files for its first two saves (not only
+    the first rank to start), and the two saves of both ranks take all four."""
     results = run_distributed(first_saves_into_files_made_ahead, 2, str(tmp_path), deadline_secs=120)
     (made0, blank, written, recycled0), (made1, _, _, recycled1) = results
     assert len(made0) == 2 and len(made1) == 2  # each rank: one shard file a save, two saves

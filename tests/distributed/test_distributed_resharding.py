@@ -18,7 +18,7 @@ import torch.nn as nn
 from dist_harness import assert_same_state, device, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 
 import checkpointd
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, DistributedOptions
 
 
 class Net(nn.Module):
@@ -45,7 +45,7 @@ def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
     model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
     torch.manual_seed(1000 + rank)  # per-rank RNG to find back
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, every_n_steps=1, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.maybe_save(2)
         after_save = torch.rand(3)
         opt.param_groups[0]["lr"] = 0.5  # changes after the save must not leak into it
@@ -68,7 +68,7 @@ def restore_fsdp2(rank: int, world: int, root: str) -> Any:
     torch.manual_seed(99)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", dist_timeout_secs=30) as mgr:
+        with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
             step = mgr.restore_latest()
     rng = torch.rand(3)
     out = gathered_state(model, opt)
@@ -155,7 +155,7 @@ def test_sharded_checkpoint_loads_whole(sharded_at_2: tuple[str, list[Any]], ref
 def full_save_then_restore(rank: int, world: int, root: str) -> Any:
     model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="full", compression=None, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         mgr.save(2)
     full = gathered_state(model, opt)  # collective: every rank
     return full if rank == 0 else None
@@ -163,7 +163,7 @@ def full_save_then_restore(rank: int, world: int, root: str) -> Any:
 
 def restore_full_or_single(rank: int, world: int, root: str) -> Any:
     model, opt = fsdp2_with_adamw(Net, seed=9)
-    with CheckpointManager(root, {"model": model, "optim": opt}, dist_timeout_secs=30) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         step = mgr.restore_latest()
     full = gathered_state(model, opt)  # collective: every rank
     return {"step": step, "full": full if rank == 0 else None}

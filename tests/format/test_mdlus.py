@@ -1,4 +1,4 @@
-"""checkpointd.format.mdlus without PhysicsNeMo: format, duck typing, legacy tar, corrupt and unsafe files."""
+"""checkpointd.format.mdlus without PhysicsNeMo: format, duck typing, the tar format, corrupt and unsafe files."""
 
 from __future__ import annotations
 
@@ -203,11 +203,11 @@ def test_json_members_reject_non_json_argument() -> None:
         mdlus_json_members(act)
 
 
-def test_reads_legacy_tar(tmp_path: Path) -> None:
+def test_reads_the_tar_format(tmp_path: Path) -> None:
     net = make_net()
     members = mdlus_json_members(net)
     members["model.pt"] = _torch_save_bytes(net.state_dict())
-    path = tmp_path / "legacy.mdlus"
+    path = tmp_path / "tarred.mdlus"
     with tarfile.open(path, "w") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)

@@ -1,7 +1,7 @@
 """Interop with the real PhysicsNeMo 2.2.2 (core tier), run in its own venv through subprocesses.
 
 checkpointd never imports PhysicsNeMo; these tests check the files both ways:
-PhysicsNeMo loads the ``.mdlus`` files we write, and we read the ones it writes (zip and legacy tar).
+PhysicsNeMo loads the ``.mdlus`` files we write, and we read the ones it writes (zip and tar).
 The model classes live in tests/pn_scripts/pn_models.py; each PhysicsNeMo call batches several checks
 because importing PhysicsNeMo takes seconds.
 """

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, load
+from checkpointd import CheckpointManager, StagingOptions, load
 from cuda_models import big_model as _big_model, run_scaled, scaled_cnn, train_step as _train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -75,7 +75,7 @@ def test_forward_waits_only_for_buffers(tmp_path, device_staging):
     their clone on the side stream) and the checkpoint keeps the values of the save point."""
     model = _big_model(2048, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kw = {"device_staging_budget_bytes": 8 << 30} if device_staging else {}
+    kw = {"staging": StagingOptions(device_budget_bytes=8 << 30)} if device_staging else {}
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, **kw)
     model.train()
     before = model[0].running_mean.detach().cpu().clone()
@@ -128,7 +128,7 @@ def test_device_staging_isolates_snapshot_without_waiting(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     _train_step(model, opt)
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None,
-                            device_staging_budget_bytes=8 << 30)
+                            staging=StagingOptions(device_budget_bytes=8 << 30))
     mgr.save(1)
     mgr.wait()
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -144,22 +144,22 @@ def test_device_staging_isolates_snapshot_without_waiting(tmp_path):
 
 def test_device_staging_clones_off_the_compute_stream(tmp_path):
     """The clone runs on the side stream, queued at the next forward: the compute stream carries
-    nothing between events recorded around ``maybe_save`` (it used to carry the whole clone). A second
+    nothing between events recorded around ``maybe_save`` (far less than the clone would take there). A second
     save while the first one's device-to-host copies are still queued clones into the same GPU buffers
     only after them: both stay exact although training modifies every tensor right after each save."""
     model = _big_model(4096, 12)  # ~0.8 GB of parameters, ~2.4 GB with AdamW state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     _train_step(model, opt)
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, max_pending=2,
-                            device_staging_budget_bytes=16 << 30)
+                            staging=StagingOptions(device_budget_bytes=16 << 30))
     mgr.save(1)
     mgr.wait()
-    buffers = mgr._snap._device_arena[1]
+    buffers = mgr._snap.device_arena.current
     scratch = [torch.empty_like(b) for b in buffers]
     timed = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     torch.cuda.synchronize()
     timed[0].record()
-    torch._foreach_copy_(scratch, buffers)  # what the compute stream carried at every save before
+    torch._foreach_copy_(scratch, buffers)  # the clone, timed alone on the compute stream
     timed[1].record()
     torch.cuda.synchronize()
     del scratch
@@ -222,7 +222,7 @@ def test_persist_process_writes_pinned_shared_staging_bit_exact(tmp_path):
 
 def test_device_clone_warm_up_touches_no_staging_buffer():
     """The warm-up launch (one element per dtype, channels_last included) runs and leaves the buffers as they were."""
-    from checkpointd.save.snapshot import _warm_device_clone
+    from checkpointd.save.device_copies import warm_device_clone
 
     dev = torch.device("cuda")
     buffers = [
@@ -232,7 +232,7 @@ def test_device_clone_warm_up_touches_no_staging_buffer():
         torch.empty(0, device=dev),
     ]
     before = [b.clone() for b in buffers]
-    _warm_device_clone(buffers)
+    warm_device_clone(buffers)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(buffers, before))
 
@@ -245,10 +245,10 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
     paced batch at the forward's hook, made "large" here so its deferral is exercised too.)"""
     import time
 
-    from checkpointd.save import snapshot as snapshot_mod
+    from checkpointd.save import device_copies
     from checkpointd.save import writer as writer_mod
 
-    monkeypatch.setattr(snapshot_mod, "PLAN_DEFER_MIN_BYTES", 0)
+    monkeypatch.setattr(device_copies, "PLAN_DEFER_MIN_BYTES", 0)
 
     planned_at: list[float] = []
     orig_plan_job = writer_mod.BackgroundWriter.plan_job
@@ -261,7 +261,7 @@ def test_planning_waits_for_the_next_optimizer_step(tmp_path, monkeypatch, devic
     model = _big_model(width)  # 512: copied in one paced batch, at the forward's hook
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     _train_step(model, opt)
-    kw = {"device_staging_budget_bytes": 8 << 30} if device_staging else {}
+    kw = {"staging": StagingOptions(device_budget_bytes=8 << 30)} if device_staging else {}
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, **kw)
     mgr.save(1)
     mgr.wait()
@@ -332,12 +332,13 @@ def test_small_snapshots_plan_at_once(tmp_path, monkeypatch):
 def test_arena_page_locked_in_pieces_copies_async_and_bit_exact(monkeypatch, shared):
     """Every buffer of an arena registered in many pieces is pinned memory to CUDA (an asynchronous
     device-to-host copy lands in it), none crosses a piece, and the copies are bit-exact."""
+    from checkpointd.save import arena as arena_mod
+    from checkpointd.save.arena import StagingArena, tensor_spec
     from checkpointd.storage import sharedmem
-    from checkpointd.save.snapshot import StagingArena, tensor_spec
 
     if shared and not sharedmem.supported():
         pytest.skip("no shared staging memory here")
-    monkeypatch.setenv("CHECKPOINTD_REGISTER_PIECE_MB", "1")
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", 1 << 20)
     g = torch.Generator(device="cuda").manual_seed(3)
     sources = [torch.randn(n, device="cuda", generator=g) for n in (3, 70_000, 300_000, 1000, 600_000, 5)]
     sources.append(torch.randn(8, 16, 9, 9, device="cuda", generator=g).to(memory_format=torch.channels_last))
@@ -369,10 +370,11 @@ def test_a_save_waiting_for_its_arena_ends_the_registration_pauses(tmp_path, mon
     rest is registered without pauses, with the real ``cudaHostRegister``."""
     import time
 
-    from checkpointd.save.snapshot import StagingArena
+    from checkpointd.save import arena as arena_mod
+    from checkpointd.save.arena import StagingArena
 
-    monkeypatch.setenv("CHECKPOINTD_REGISTER_PIECE_MB", "64")
-    monkeypatch.setenv("CHECKPOINTD_REGISTER_PAUSE", "300")  # each pause 300x its piece's registration
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", 64 << 20)
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 300.0)  # each pause 300x its piece's registration
     pauses: list[tuple[float, float, bool]] = []  # (asked, took, hurried before it began)
     paused = threading.Event()
     real_pause = StagingArena._pause

@@ -1,6 +1,6 @@
 """Restore verified on the GPU (``device_image`` + ``device_crc``): bit-exact, corruption caught, fallbacks.
 
-The saved checkpoint is mapped (``CHECKPOINTD_RESTORE_MMAP=1``) and every file is verified on the device
+The saved checkpoint is mapped (``fastload.use_mmap`` as on tmpfs) and every file is verified on the device
 (``MIN_BYTES`` lowered): uploaded through the pinned bounce chunks, checksummed by the NVRTC-built kernels,
 applied device to device. Skipped where CUDA is unavailable.
 """
@@ -14,24 +14,20 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager
-from checkpointd.restore import bulkcopy
-from checkpointd.native import cuda_rtc
-from checkpointd.restore import device_crc
-from checkpointd.restore import device_image
-from checkpointd.restore import fastload
-from checkpointd.native import kernel_cache
-from checkpointd.native import upload as upload_native
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.native import cuda_rtc
+from checkpointd.native import upload as upload_native
+from checkpointd.restore import bounce, device_crc, device_image, fastload
 
-from test_restore_cuda import _assert_same, _model, _scramble, _trained
+from test_restore_cuda import _assert_same, _model, _scramble, _trained, _use
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture
 def on_device(monkeypatch):
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setattr(fastload, "use_mmap", lambda path, size: size > 0)
+    monkeypatch.setenv("CHECKPOINTD_RESTORE_VERIFY", "device")  # (the default; read by options.restore_verify_on)
     monkeypatch.setattr(device_image, "MIN_BYTES", 1)
 
 
@@ -88,7 +84,7 @@ def test_a_fresh_process_loads_the_stored_kernel_and_rebuilds_a_corrupt_one(tmp_
     import subprocess
     import sys
 
-    env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: str(tmp_path / "kernels")})
+    env = dict(os.environ, CHECKPOINTD_CACHE_DIR=str(tmp_path / "kernels"))  # options.cache_dir()
 
     def fresh() -> dict:
         proc = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=60)
@@ -134,14 +130,13 @@ def test_a_native_upload_failure_falls_back_to_the_python_bounce(monkeypatch) ->
     monkeypatch.setattr(upload_native, "upload_pairs", broken)
     src = torch.randint(0, 256, ((5 << 20) + 3,), dtype=torch.uint8)
     dst = torch.empty_like(src, device="cuda")
-    bulkcopy.upload_bytes(dst, src)
+    bounce.upload_bytes(dst, src)
     assert torch.equal(dst.cpu(), src)
 
 
 @pytest.mark.parametrize("upload", ["native", "python"])
 def test_restore_verified_on_device_is_exact_and_in_place(saved, on_device, monkeypatch, upload) -> None:
-    monkeypatch.setenv(upload_native.UPLOAD_ENV, upload)
-    assert bulkcopy.uploads_off_gil() == (upload == "native")
+    _use(monkeypatch, upload)
     assert device_crc.kernel_available(torch.device("cuda")), "the GPU host builds the CRC kernels with NVRTC"
     root, ref_model, ref_opt = saved
     model, opt = _trained()

@@ -1,4 +1,4 @@
-"""CUDA paths of the host staging budget (``host_staging_budget_bytes``): a fixed ring of pinned chunks.
+"""CUDA paths of the host staging budget (``StagingOptions.host_budget_bytes``): a fixed ring of pinned chunks.
 
 Checks pinned memory (the library's own accounting) stays within the budget, no new pinned allocation
 after the first save, the checkpoint holds exactly the step's values although the forward pass and the
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from checkpointd import CheckpointManager, load
+from checkpointd import CheckpointManager, StagingOptions, load
 from cuda_models import big_model as _big_model, run_scaled, scaled_cnn, train_step as _train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,7 +33,7 @@ def test_pinned_within_budget_no_new_allocation_and_exact_values(tmp_path, compr
     _train_step(model, opt)
     budget = _state_bytes(model, opt) // 4
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=compression,
-                            host_staging_budget_bytes=budget, keep_last=None)
+                            staging=StagingOptions(host_budget_bytes=budget), keep_last=None)
     mgr.save(1)
     mgr.wait()
     s1 = mgr.stats()
@@ -70,14 +70,14 @@ def test_bit_exact_resume_with_grad_scaler_and_channels_last(tmp_path):
     gen = torch.Generator(device="cuda").manual_seed(1)
     run(m1, o1, s1, 3, gen)
     state = {"model": m1, "opt": o1, "scaler": s1}
-    with CheckpointManager(tmp_path, state, compression="zstd", host_staging_budget_bytes=8 << 20) as mgr:
+    with CheckpointManager(tmp_path, state, compression="zstd", staging=StagingOptions(host_budget_bytes=8 << 20)) as mgr:
         mgr.save(3)
         expected = {k: v.detach().clone() for k, v in m1.state_dict().items()}
         scale = s1.get_scale()
         run(m1, o1, s1, 2, gen)
     m2, o2, s2 = make(7)
     with CheckpointManager(tmp_path, {"model": m2, "opt": o2, "scaler": s2}, compression="zstd",
-                           host_staging_budget_bytes=8 << 20) as mgr:
+                           staging=StagingOptions(host_budget_bytes=8 << 20)) as mgr:
         assert mgr.restore_latest() == 3
     for k, v in m2.state_dict().items():
         assert torch.equal(v, expected[k]) and v.stride() == expected[k].stride(), k
@@ -90,7 +90,7 @@ def test_device_staging_with_budget_streams_from_the_gpu_copy(tmp_path):
     _train_step(model, opt)
     nbytes = _state_bytes(model, opt)
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None,
-                            device_staging_budget_bytes=2 * nbytes, host_staging_budget_bytes=nbytes // 4)
+                            staging=StagingOptions(device_budget_bytes=2 * nbytes, host_budget_bytes=nbytes // 4))
     mgr.save(1)
     mgr.wait()
     torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def test_memory_root_streams_through_the_codec(tmp_path):
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     root = f"memory://host-budget-cuda-{id(model)}"
     with CheckpointManager(root, {"model": model, "opt": opt}, compression="zstd",
-                           host_staging_budget_bytes=4 << 20) as mgr:
+                           staging=StagingOptions(host_budget_bytes=4 << 20)) as mgr:
         mgr.save(1)
         _train_step(model, opt)
     saved = load(root)

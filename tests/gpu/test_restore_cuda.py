@@ -1,9 +1,11 @@
-"""CUDA restore through each host->device strategy (``CHECKPOINTD_RESTORE_H2D``): bit-exact, in place.
+"""CUDA restore through each host->device copy path: bit-exact, in place.
 
-A CUDA model with a channels_last conv weight and fused AdamW is saved, then restored into (a) the same
-live objects with scrambled state, whose state tensors must be written in place, and (b) a fresh
-optimizer with no state; the result must equal the per-entry (``legacy``) path's in type, dtype,
-device, strides and bits. Skipped where CUDA is unavailable.
+The paths: the pinned bounce (:mod:`checkpointd.restore.bounce`) through the native upload or the Python
+bounce, and one ``copy_`` per pair (below ``bulkcopy.AUTO_MIN_BYTES``); ``auto`` is the library's own
+choice. A CUDA model with a channels_last conv weight and fused AdamW is saved, then restored into
+(a) the same live objects with scrambled state, whose state tensors must be written in place, and
+(b) a fresh optimizer with no state; the result must equal the saved state in type, dtype, device,
+strides and bits. Skipped where CUDA is unavailable.
 """
 
 from __future__ import annotations
@@ -15,12 +17,29 @@ import torch
 import torch.nn as nn
 
 from checkpointd import CheckpointManager
-from checkpointd.restore import bulkcopy
 from checkpointd.native import upload as upload_native
+from checkpointd.restore import bounce, bulkcopy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-STRATEGIES = ["auto", "bounce", "pageable", "serial", "legacy"]
+PATHS = ["auto", "bounce-native", "bounce-python", "per-pair"]
+UPLOADS = ["native", "python"]
+
+
+def _use(monkeypatch, upload: str) -> None:
+    """The bounce natively (:mod:`checkpointd.native.upload`, wherever it builds) or in Python (as without it)."""
+    if upload == "python":
+        monkeypatch.setattr(upload_native, "library", lambda: None)
+    assert bounce.uploads_off_gil() == (upload == "native"), upload_native.why_not
+
+
+def _path(monkeypatch, path: str) -> None:
+    """Restores copy through ``path`` (see the module docstring)."""
+    if path == "per-pair":
+        monkeypatch.setattr(bulkcopy, "AUTO_MIN_BYTES", 1 << 62)
+    elif path.startswith("bounce"):
+        monkeypatch.setattr(bulkcopy, "AUTO_MIN_BYTES", 0)
+        _use(monkeypatch, path.split("-", 1)[1])
 
 
 def _model() -> nn.Module:
@@ -82,10 +101,10 @@ def saved(tmp_path_factory):
     return str(root), ref_model, ref_opt
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_restore_into_live_optimizer_in_place(saved, monkeypatch, strategy) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_restore_into_live_optimizer_in_place(saved, monkeypatch, path) -> None:
     root, ref_model, ref_opt = saved
-    monkeypatch.setenv(bulkcopy.H2D_ENV, strategy)
+    _path(monkeypatch, path)
     model, opt = _trained()
     _scramble(model, opt)
     held = {id(p): dict(opt.state[p]) for p in model.parameters()}
@@ -95,16 +114,15 @@ def test_restore_into_live_optimizer_in_place(saved, monkeypatch, strategy) -> N
     _assert_same(ref_model, ref_opt, model, opt)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert opt.state[model[0].weight]["exp_avg"].is_contiguous(memory_format=torch.channels_last)
-    if strategy != "legacy":
-        for p in model.parameters():
-            for key, t in held[id(p)].items():
-                assert opt.state[p][key] is t, f"{key} was replaced, not written in place"
+    for p in model.parameters():
+        for key, t in held[id(p)].items():
+            assert opt.state[p][key] is t, f"{key} was replaced, not written in place"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_restore_into_fresh_optimizer(saved, monkeypatch, strategy) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_restore_into_fresh_optimizer(saved, monkeypatch, path) -> None:
     root, ref_model, ref_opt = saved
-    monkeypatch.setenv(bulkcopy.H2D_ENV, strategy)
+    _path(monkeypatch, path)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     with CheckpointManager(root, {"model": model, "optim": opt}, compression=None) as mgr:
@@ -120,24 +138,15 @@ def test_restore_into_fresh_optimizer(saved, monkeypatch, strategy) -> None:
     _assert_same(ref_model, ref_opt, model, opt)
 
 
-UPLOADS = ["native", "python"]
-
-
-def _use(monkeypatch, upload: str) -> None:
-    """The bounce natively (``upload_native``, the default where a C compiler is) or in Python."""
-    monkeypatch.setenv(upload_native.UPLOAD_ENV, upload)
-    assert bulkcopy.uploads_off_gil() == (upload == "native"), upload_native.why_not
-
-
 @pytest.mark.parametrize("upload", UPLOADS)
 def test_bounce_copies_dtype_cast_and_layout_change(monkeypatch, upload) -> None:
-    _use(monkeypatch, upload)
+    _path(monkeypatch, f"bounce-{upload}")
     src = torch.randn(64, 3, 5, 5)
     dst_cl = torch.empty(64, 3, 5, 5, device="cuda").to(memory_format=torch.channels_last)
     dst_bf = torch.empty(64, 3, 5, 5, device="cuda", dtype=torch.bfloat16)
     big_src = torch.randn(9 << 20)
     big_dst = torch.empty_like(big_src, device="cuda")
-    bulkcopy.copy_pairs([(dst_cl, src), (dst_bf, src), (big_dst, big_src)], "bounce")
+    bulkcopy.copy_pairs([(dst_cl, src), (dst_bf, src), (big_dst, big_src)])
     torch.cuda.synchronize()
     assert torch.equal(dst_cl.cpu(), src) and dst_cl.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(dst_bf.cpu(), src.to(torch.bfloat16))
@@ -149,8 +158,8 @@ def test_bounce_packs_many_small_pairs_exactly(monkeypatch, upload) -> None:
     """Pairs below ``PACK_BELOW_BYTES`` share chunks (gathered, one DMA, scattered on the device): with
     1 MiB chunks, 200 small tensors of mixed dtypes fill many more packs than the ring has chunks. (The
     native upload packs nothing: each pair its own pieces.)"""
-    _use(monkeypatch, upload)
-    monkeypatch.setenv(bulkcopy.CHUNK_ENV, "1")
+    _path(monkeypatch, f"bounce-{upload}")
+    monkeypatch.setattr(bounce, "CHUNK_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(0)
     srcs = []
     for i in range(200):
@@ -160,7 +169,7 @@ def test_bounce_packs_many_small_pairs_exactly(monkeypatch, upload) -> None:
     srcs.insert(50, torch.randn(3 << 20, generator=g))  # large pairs between them keep their own chunks
     srcs.append(torch.randn(1 << 18, generator=g))  # exactly 1 MiB: not packed
     dsts = [torch.full_like(s, 7, device="cuda") for s in srcs]
-    bulkcopy.copy_pairs(list(zip(dsts, srcs)), "bounce")
+    bulkcopy.copy_pairs(list(zip(dsts, srcs)))
     for d, s in zip(dsts, srcs):
         assert d.dtype == s.dtype and torch.equal(d.cpu(), s)
 
@@ -168,13 +177,13 @@ def test_bounce_packs_many_small_pairs_exactly(monkeypatch, upload) -> None:
 @pytest.mark.parametrize("upload", UPLOADS)
 def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back(monkeypatch, upload) -> None:
     """``torchrun`` sets one intra-op thread per rank: the bounce raises it for its copies, then restores it."""
-    _use(monkeypatch, upload)
+    _path(monkeypatch, f"bounce-{upload}")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         srcs = [torch.randn(n) for n in (5, 1 << 20, (7 << 20) + 3, 40 << 20)]  # some span several chunks
         dsts = [torch.empty_like(s, device="cuda") for s in srcs]
-        bulkcopy.copy_pairs(list(zip(dsts, srcs)), "bounce")
+        bulkcopy.copy_pairs(list(zip(dsts, srcs)))
         assert torch.get_num_threads() == 1
         for d, s in zip(dsts, srcs):
             assert torch.equal(d.cpu(), s)
@@ -183,15 +192,15 @@ def test_bounce_under_one_intra_op_thread_is_exact_and_puts_the_setting_back(mon
 
 
 def test_bounce_pool_is_unpinned_once_a_save_has_committed(saved, monkeypatch) -> None:
-    """Pinned memory after a resume stays the staging arena's (issue 6: at most 1.05x the state)."""
+    """Pinned memory after a resume stays the staging arena's (at most 1.05x the state)."""
     root, ref_model, ref_opt = saved
-    monkeypatch.setenv(bulkcopy.H2D_ENV, "bounce")
+    monkeypatch.setattr(bulkcopy, "AUTO_MIN_BYTES", 0)
     model, opt = _trained()
     with CheckpointManager(root, {"model": model, "optim": opt}, compression=None) as mgr:
         assert mgr.restore_latest() == 1
-        assert bulkcopy._pools, "the restore went through the bounce pool"  # (its chunks may be gone already)
+        assert bounce._pools, "the restore went through the bounce pool"  # (its chunks may be gone already)
         model(torch.randn(2, 3, 32, 32, device="cuda")).square().mean().backward()
         opt.step()
         mgr.save(2)
         mgr.wait()
-        assert all(p.pinned is None for p in bulkcopy._pools.values()), "bounce chunks still pinned after the save"
+        assert all(p.pinned is None for p in bounce._pools.values()), "bounce chunks still pinned after the save"

@@ -12,9 +12,9 @@ import tempfile
 import pytest
 import torch
 
-from checkpointd.native import cuda_rtc
+from checkpointd import options
+from checkpointd.native import cuda_rtc, kernel_cache
 from checkpointd.restore import device_crc
-from checkpointd.native import kernel_cache
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def fake_nvrtc(monkeypatch, tmp_path):
         return f"cubin:{arch}:{len(calls)}:{source}".encode()
     monkeypatch.setattr(cuda_rtc, "compile_cubin", compile_cubin)
     monkeypatch.setattr(cuda_rtc, "_nvrtc_version", lambda: "12.9")
-    monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(options.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
     return calls
@@ -78,7 +78,7 @@ def test_a_folder_or_file_others_could_write_is_not_used(tmp_path, fake_nvrtc) -
 def test_no_usable_folder_still_compiles(monkeypatch, tmp_path, fake_nvrtc) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")  # a file where the folders should be
-    monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(blocker / "sub"))
+    monkeypatch.setenv(options.CACHE_DIR_ENV, str(blocker / "sub"))
     monkeypatch.setattr(tempfile, "tempdir", str(blocker))
     cubin, origin = cuda_rtc._cached_cubin("src", "90", [])
     assert origin == "compiled" and cubin.startswith(b"cubin:90")

@@ -1,7 +1,9 @@
-"""Native plane kernels: the same bytes as the NumPy kernels both ways, damage found, safe fallback."""
+"""Native plane kernels: the same bytes as the NumPy kernels both ways, damage found, the NumPy fallback
+where the library is off, absent or unusable."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -11,16 +13,19 @@ import numpy as np
 import pytest
 import torch
 
+from checkpointd import options
+from checkpointd.codecs import plane_kernels
 from checkpointd.codecs import planes as kernels
-from checkpointd.native import planes as planes_native
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.native import loader
+from checkpointd.native import planes as planes_native
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
 
 
 @pytest.fixture(scope="module")
 def lib():
-    """The compiled library; in CI (CI=true) a missing compiler fails these tests instead of skipping."""
+    """The library built at install; in CI (CI=true) a missing one fails these tests instead of skipping."""
     loaded = planes_native.library()
     if loaded is None:
         if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
@@ -73,17 +78,17 @@ def test_native_and_numpy_encode_the_same_bytes_and_decode_each_other(lib, dtype
 @pytest.mark.parametrize("count", [1, 2, 3, 4095, 4096, 4097, 9000])
 def test_split_and_merge_match_the_numpy_kernels_on_every_bit_pattern(lib, itemsize, count, monkeypatch) -> None:
     raw = np.random.default_rng(count * itemsize).integers(0, 256, count * itemsize, dtype=np.uint8).tobytes()
-    planes = kernels._to_planes(memoryview(raw), itemsize)
+    planes = plane_kernels.to_planes(memoryview(raw), itemsize)
     with monkeypatch.context() as m:
         _numpy_only(m)
-        expected = kernels._to_planes(memoryview(raw), itemsize)
+        expected = plane_kernels.to_planes(memoryview(raw), itemsize)
     assert planes.tobytes() == expected.tobytes()
     for rotated in (True, False):
         out = np.zeros(len(raw), dtype=np.uint8)
         described = [(0, planes[j], 0, None, 0) for j in range(itemsize)]
         assert planes_native.decode_planes(lib, described, count, rotated, out) == 0
         reference = np.zeros(len(raw), dtype=np.uint8)
-        kernels._from_planes(list(expected), reference, rotated=rotated)
+        plane_kernels.from_planes(list(expected), reference, rotated=rotated)
         assert out.tobytes() == reference.tobytes()
     out = np.zeros(len(raw), dtype=np.uint8)
     planes_native.decode_planes(lib, [(0, planes[j], 0, None, 0) for j in range(itemsize)], count, True, out)
@@ -96,10 +101,10 @@ def test_pack_nibbles_matches_numpy_and_refuses_too_many_escapes(lib, count, mon
     plane = (100 + rng.integers(0, 15, count)).astype(np.uint8)
     escapes_at = rng.choice(count, size=max(1, count // 200), replace=False)
     plane[escapes_at] = rng.choice([0, 99, 115, 255], size=escapes_at.size)
-    got = kernels._pack_nibbles(plane, 100)
+    got = plane_kernels.pack_nibbles(plane, 100)
     with monkeypatch.context() as m:
         _numpy_only(m)
-        expected = kernels._pack_nibbles(plane, 100)
+        expected = plane_kernels.pack_nibbles(plane, 100)
     if expected is None:  # more than 1/128 escaped: both refuse
         assert got is None
         return
@@ -125,48 +130,76 @@ def test_native_decode_refuses_a_wrong_escape_count(lib, claimed_delta) -> None:
     plane = (1, packed, base, packed[half:], escaped)
     assert planes_native.decode_planes(lib, [(0, lo, 0, None, 0), plane], count, True, out) == 0
     reference = np.zeros(2 * count, dtype=np.uint8)
-    kernels._from_planes([lo, hi], reference)
+    plane_kernels.from_planes([lo, hi], reference)
     assert out.tobytes() == reference.tobytes()
     wrong = (1, packed, base, packed[half:], escaped + claimed_delta)
     assert planes_native.decode_planes(lib, [(0, lo, 0, None, 0), wrong], count, True, out) == 2
 
 
-def test_the_compiled_library_is_cached_and_reused(lib, tmp_path, monkeypatch) -> None:
-    """A fresh process with an empty cache folder builds once; the next one loads the same file."""
+def test_the_library_built_at_install_is_loaded_from_the_package_folder(lib, tmp_path) -> None:
+    """A fresh process loads the shared object the install built beside the module: nothing is compiled and
+    no cache folder is written."""
     cache = tmp_path / "cache"
-    code = "from checkpointd import planes_native as n; lib = n.library(); print(lib._name if lib else 'NONE', n.why_not)"
-    env = {**os.environ, "CHECKPOINTD_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(kernels.__file__).parents[2])}
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert first.returncode == 0, first.stderr
-    built = list(cache.glob("planes-*.so"))
-    assert len(built) == 1 and first.stdout.split()[0] == str(built[0])
-    mtime = built[0].stat().st_mtime_ns
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert second.returncode == 0 and second.stdout.split()[0] == str(built[0])
-    assert built[0].stat().st_mtime_ns == mtime and list(cache.iterdir()) == built  # no temporaries left
+    code = "from checkpointd.native import planes as n; lib = n.library(); print(lib._name if lib else 'NONE', n.why_not)"
+    env = {**os.environ, options.CACHE_DIR_ENV: str(cache), "CC": "/nonexistent/cc",
+           "PYTHONPATH": str(Path(kernels.__file__).parents[2])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    built = loader.built_library(planes_native.LIBRARY.folder, "planes_native")
+    assert built is not None and run.stdout.split()[0] == str(built) == lib._name
+    assert built.parent == Path(planes_native.__file__).resolve().parent
+    assert not cache.exists()
 
 
-@pytest.mark.parametrize("setting", ["off", "no compiler", "compiler fails"])
+def test_loading_never_runs_a_compiler(monkeypatch) -> None:
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"loading the native kernels started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    monkeypatch.setattr(subprocess, "Popen", no_compiler)
+    planes_native.reset()
+    try:
+        planes_native.library()  # loaded, or None with the reason: never compiled here
+    finally:
+        planes_native.reset()
+
+
+def _garbage_library(folder: Path) -> None:
+    folder.mkdir()
+    (folder / f"planes_native{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
+
+
+@pytest.mark.parametrize("setting", ["off", "not built", "not a library", "another ABI"])
 def test_without_native_kernels_the_numpy_ones_run(setting, tmp_path, monkeypatch) -> None:
     raw = _values(torch.bfloat16, 50_000, 3, 500)
-    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(tmp_path / "cache"))
+    if setting == "another ABI" and loader.built_library(planes_native.LIBRARY.folder, "planes_native") is None:
+        pytest.skip("the ABI check needs the library built at install")
+    monkeypatch.delenv(options.NATIVE_ENV, raising=False)
     if setting == "off":
-        monkeypatch.setenv("CHECKPOINTD_NATIVE", "0")
-    elif setting == "no compiler":
-        monkeypatch.setenv("CC", "/nonexistent/cc")
+        monkeypatch.setenv(options.NATIVE_ENV, "0")
+    elif setting == "not built":
+        monkeypatch.setattr(planes_native.LIBRARY, "folder", tmp_path)
+    elif setting == "not a library":
+        _garbage_library(tmp_path / "pkg")
+        monkeypatch.setattr(planes_native.LIBRARY, "folder", tmp_path / "pkg")
     else:
-        monkeypatch.setenv("CC", "false")  # found, exits 1
+        monkeypatch.setattr(planes_native.LIBRARY, "abi", ("cpd_abi", planes_native.ABI + 1))
     planes_native.reset()
     try:
         assert planes_native.library() is None
         assert planes_native.why_not
+        if setting == "off":
+            assert options.NATIVE_ENV in planes_native.why_not
+        elif setting == "not built":
+            assert "build_ext --inplace" in planes_native.why_not and str(tmp_path) in planes_native.why_not
+        elif setting == "another ABI":
+            assert f"expected {planes_native.ABI + 1}" in planes_native.why_not
         frame = _frame(kernels.encode_chunk(memoryview(raw), torch.bfloat16, 1))
         out = np.zeros(len(raw), dtype=np.uint8)
         kernels.decode_chunk_into(frame, out)
         assert out.tobytes() == raw
     finally:
         planes_native.reset()
-    assert not list(tmp_path.rglob("*.so"))
 
 
 def test_damaged_planes_chunk_is_refused_by_the_native_decoder(lib) -> None:
@@ -178,33 +211,3 @@ def test_damaged_planes_chunk_is_refused_by_the_native_decoder(lib) -> None:
         broken[offset] ^= 0x04
         with pytest.raises(CorruptCheckpointError):
             kernels.decode_chunk_into(memoryview(bytes(broken)), out)
-
-
-def test_a_cache_folder_others_can_write_is_not_used(lib, tmp_path, monkeypatch) -> None:
-    """Code in a folder someone else can write could be theirs: the private fallback folder is used."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(shared))
-    planes_native.reset()
-    try:
-        loaded = planes_native.library()
-        assert loaded is not None and not loaded._name.startswith(str(shared))
-        assert not list(shared.iterdir())
-    finally:
-        planes_native.reset()
-
-
-def test_no_private_folder_at_all_leaves_the_numpy_kernels_and_says_why(tmp_path, monkeypatch) -> None:
-    import tempfile
-
-    blocker = tmp_path / "file"
-    blocker.write_bytes(b"x")  # a file where both folders would be made
-    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
-    planes_native.reset()
-    try:
-        assert planes_native.library() is None
-        assert "CHECKPOINTD_CACHE_DIR" in planes_native.why_not and str(blocker / "cache") in planes_native.why_not
-    finally:
-        planes_native.reset()

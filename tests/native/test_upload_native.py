@@ -10,13 +10,19 @@ is ``tests/gpu/test_device_verify_cuda.py::test_native_upload_equals_the_source`
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from checkpointd import options
+from checkpointd.native import cuda_rtc, loader
 from checkpointd.native import upload as upload_native
+from checkpointd.restore import bulkcopy
 
 VP = ctypes.c_void_p
 PVP = ctypes.POINTER(ctypes.c_void_p)
@@ -178,54 +184,40 @@ def test_too_few_slots_is_refused_before_the_call(lib) -> None:
         upload_native.upload(lib, FakeDriver().struct, 0, [(0, 0, 10)], [0, 0, 0], 4096, 2, None)
 
 
-def test_the_switch_chooses_the_python_bounce(monkeypatch) -> None:
-    monkeypatch.setenv(upload_native.UPLOAD_ENV, "python")
-    assert not upload_native.wanted()
-    monkeypatch.setenv(upload_native.UPLOAD_ENV, "native")
-    assert upload_native.wanted()
-    monkeypatch.setenv(upload_native.UPLOAD_ENV, "fast")
-    with pytest.raises(ValueError, match="CHECKPOINTD_RESTORE_UPLOAD='fast'"):
-        upload_native.wanted()
+def _garbage_library(folder) -> None:
+    folder.mkdir()
+    (folder / f"upload_native{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
 
 
-@pytest.mark.parametrize("setting", ["off", "no compiler", "compiler fails", "python asked for"])
+@pytest.mark.parametrize("setting", ["off", "not built", "not a library", "another ABI"])
 def test_without_the_library_restores_take_the_python_bounce(setting, tmp_path, monkeypatch) -> None:
-    from checkpointd.restore import bulkcopy
-
-    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(tmp_path / "cache"))
+    if setting == "another ABI" and loader.built_library(upload_native.LIBRARY.folder, "upload_native") is None:
+        pytest.skip("the ABI check needs the library built at install")
+    monkeypatch.delenv(options.NATIVE_ENV, raising=False)
     if setting == "off":
-        monkeypatch.setenv("CHECKPOINTD_NATIVE", "0")
-    elif setting == "no compiler":
-        monkeypatch.setenv("CC", "/nonexistent/cc")
-    elif setting == "compiler fails":
-        monkeypatch.setenv("CC", "false")  # found, exits 1
+        monkeypatch.setenv(options.NATIVE_ENV, "0")
+    elif setting == "not built":
+        monkeypatch.setattr(upload_native.LIBRARY, "folder", tmp_path)
+    elif setting == "not a library":
+        _garbage_library(tmp_path / "pkg")
+        monkeypatch.setattr(upload_native.LIBRARY, "folder", tmp_path / "pkg")
     else:
-        monkeypatch.setenv(upload_native.UPLOAD_ENV, "python")
+        monkeypatch.setattr(upload_native.LIBRARY, "abi", ("cpd_upload_abi", upload_native.ABI + 1))
     upload_native.reset()
     try:
         assert not bulkcopy.uploads_off_gil()
-        if setting == "python asked for":
-            assert upload_native.library() is not None or not os.environ.get("CI")
-        else:
-            assert upload_native.library() is None and upload_native.why_not
-            assert not list(tmp_path.rglob("*.so"))
+        assert upload_native.library() is None and upload_native.why_not
+        with pytest.raises(upload_native.UploadError, match="native upload unavailable"):
+            upload_native.upload_pairs([], [], 1)
     finally:
         upload_native.reset()
 
 
-def test_the_library_is_built_once_into_the_private_cache(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("CHECKPOINTD_CACHE_DIR", str(tmp_path / "cache"))
-    upload_native.reset()
-    try:
-        loaded = upload_native.library()
-        if loaded is None:
-            if os.environ.get("CI"):
-                pytest.fail(f"native upload unavailable in CI: {upload_native.why_not}", pytrace=False)
-            pytest.skip(f"native upload unavailable: {upload_native.why_not}")
-        (built,) = (tmp_path / "cache").glob("upload-*.so")
-        assert loaded._name == str(built) and loaded.cpd_upload_abi() == upload_native._ABI
-    finally:
-        upload_native.reset()
+def test_the_library_built_at_install_is_loaded_from_the_package_folder(lib) -> None:
+    built = loader.built_library(upload_native.LIBRARY.folder, "upload_native")
+    assert built is not None and lib._name == str(built) and lib.cpd_upload_abi() == upload_native.ABI
+    assert built.parent == Path(upload_native.__file__).resolve().parent
+    assert bulkcopy.uploads_off_gil()  # restores use it wherever it loads
 
 
 class _FakeEvent:
@@ -237,10 +229,6 @@ class _FakeEvent:
 
 def _as_if_on_cuda(monkeypatch, driver) -> None:
     """``upload_pairs``' CUDA calls answered on the CPU: the fake driver, a fake context and event."""
-    import torch
-
-    from checkpointd.native import cuda_rtc
-
     monkeypatch.setattr(upload_native, "cuda_driver", lambda: driver.struct)
     monkeypatch.setattr(cuda_rtc, "primary_context", lambda index: 0xC0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -250,8 +238,6 @@ def _as_if_on_cuda(monkeypatch, driver) -> None:
 
 def test_upload_pairs_cuts_the_pinned_chunks_into_every_workers_slots(lib, monkeypatch) -> None:
     """The Python side of a restore's upload: pairs of every size, slots cut from the pool's chunks."""
-    import torch
-
     driver = FakeDriver()
     _as_if_on_cuda(monkeypatch, driver)
     g = torch.Generator().manual_seed(3)
@@ -270,10 +256,6 @@ def test_upload_pairs_cuts_the_pinned_chunks_into_every_workers_slots(lib, monke
 
 def test_upload_pairs_without_a_driver_says_so_as_an_upload_error(lib, monkeypatch) -> None:
     """An upload error is what ``bulkcopy`` falls back on; a missing driver entry point must be one."""
-    import torch
-
-    from checkpointd.native import cuda_rtc
-
     _as_if_on_cuda(monkeypatch, FakeDriver())
 
     def no_driver():

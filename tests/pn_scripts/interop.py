@@ -50,8 +50,8 @@ def export(out: Path) -> None:
     torch.save(model.state_dict(), out / "state.pt")
     (out / "args_tree.json").write_text(json.dumps(args_tree(model)))
     model.save(str(out / "pn_zip.mdlus"))
-    write_legacy_tar(out / "pn_zip.mdlus", out / "pn_tar.mdlus")
-    assert_same_state(Module.from_checkpoint(str(out / "pn_tar.mdlus")), model.state_dict(), "legacy tar")
+    write_tar_mdlus(out / "pn_zip.mdlus", out / "pn_tar.mdlus")
+    assert_same_state(Module.from_checkpoint(str(out / "pn_tar.mdlus")), model.state_dict(), "tar format")
     save_pn_checkpoints(out / "pn_ckpt", out)
     print("OK export")
 
@@ -76,11 +76,11 @@ def save_pn_checkpoints(ckpt_dir: Path, out: Path) -> None:
                    out / f"pn_ckpt_expected_{epoch}.pt")
 
 
-def write_legacy_tar(zip_path: Path, tar_path: Path) -> None:
+def write_tar_mdlus(zip_path: Path, tar_path: Path) -> None:
     """A pre-2.0 ``.mdlus``: PhysicsNeMo < 2.0's ``Module.save`` wrote these three files into a plain tar.
 
     2.2.2's own ``save(legacy_format=True)`` fails on local paths (``fs.put`` treats the target as a
-    folder), so the tar is built here the way the old code did, from the members of 2.2.2's zip.
+    folder), so the tar is built here as PhysicsNeMo < 2.0 builds it, from the members of 2.2.2's zip.
     """
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(zip_path) as zf:
         staging = Path(tmp)

@@ -21,10 +21,11 @@ from checkpointd.restore import device_image
 from checkpointd.restore import fastload
 from checkpointd.format import layout
 from checkpointd.restore import step as restore
-from checkpointd.restore import apply as restore_apply
 from checkpointd.errors import CorruptCheckpointError
 
 CPU = torch.device("cpu")
+VERIFY_ENV = "CHECKPOINTD_RESTORE_VERIFY"
+"""Read by :func:`checkpointd.options.restore_verify_on`."""
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 5, 8 * 4096, 33 * 4096 + 4093, (1 << 20) + 3])
@@ -35,7 +36,7 @@ def test_crc_by_lanes_and_a_tree_equals_zlib(n) -> None:
 
 def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
     """What ``device_crc.KERNEL_SOURCE``'s two kernels compute, step for step, from the very tables
-    ``_raw_cuda`` hands them: the lanes' slice-by-4 loop, then one combining round per level."""
+    ``_raw_cuda`` hands them: the lanes' slice-by-4 loop, then one combining pass per level."""
     levels = (lanes - 1).bit_length()
     slice_tab, combine_tab = device_crc._tables_int32(levels, CPU)
     assert slice_tab.dtype == combine_tab.dtype == torch.int32 and slice_tab.shape == (1024,)
@@ -56,7 +57,7 @@ def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
 
 @pytest.mark.parametrize("lanes", [1, 2, 3, 5, 8, 13])
 def test_the_cuda_kernels_arithmetic_and_tables_equal_zlib(monkeypatch, lanes) -> None:
-    """The CUDA path's table layout and rounds, run in numpy (the kernels themselves: tests/gpu)."""
+    """The CUDA path's table layout and combining levels, run in numpy (the kernels themselves: tests/gpu)."""
     monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)
     data = np.random.default_rng(lanes).integers(0, 256, lanes * 4096 + 77, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
@@ -124,8 +125,8 @@ def _byte_pairs(contents):
 
 @pytest.fixture
 def mapped(monkeypatch):
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setattr(fastload, "use_mmap", lambda path, size: size > 0)  # as on tmpfs in a CUDA process
+    monkeypatch.setenv(VERIFY_ENV, "device")
     monkeypatch.setattr(device_image, "MIN_BYTES", 1)  # the test's files are small
 
 
@@ -165,25 +166,25 @@ def test_a_file_that_fails_its_checksum_leaves_no_image(tmp_path, mapped) -> Non
 def test_host_mode_and_no_restore_in_progress_verify_nothing_on_a_device(tmp_path, monkeypatch, mapped) -> None:
     store, step_dir, manifest = _saved(tmp_path)
     before = device_image.stats["verified"]
-    monkeypatch.delenv(device_image.VERIFY_ENV, raising=False)
+    monkeypatch.delenv(VERIFY_ENV, raising=False)
     assert device_image.mode() == "device"  # the default
     restore.read_step(store, step_dir, manifest)  # no restore into device tensors (e.g. checkpointd.load)
     assert device_image.stats["verified"] == before
-    monkeypatch.setenv(device_image.VERIFY_ENV, "host")
+    monkeypatch.setenv(VERIFY_ENV, "host")
     with device_image.verifying_on(CPU):
         restore.read_step(store, step_dir, manifest)
     assert device_image.stats["verified"] == before
-    monkeypatch.delenv(device_image.VERIFY_ENV)
+    monkeypatch.delenv(VERIFY_ENV)
     with device_image.verifying_on(CPU):  # the default verifies on the device
         restore.read_step(store, step_dir, manifest)
     assert device_image.stats["verified"] > before
-    monkeypatch.setenv(device_image.VERIFY_ENV, "gpu")
+    monkeypatch.setenv(VERIFY_ENV, "gpu")
     with pytest.raises(ValueError, match="CHECKPOINTD_RESTORE_VERIFY"):
         device_image.mode()
 
 
 def test_files_below_the_minimum_are_left_to_the_host(monkeypatch) -> None:
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setenv(VERIFY_ENV, "device")
     r = device_image._Restore(CPU)
     device_image._active.append(r)
     try:
@@ -249,8 +250,8 @@ def test_an_apply_out_of_device_memory_runs_again_without_the_images(monkeypatch
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(restore_apply, "apply_entries", apply)
-    monkeypatch.setenv(device_image.VERIFY_ENV, "device")
+    monkeypatch.setattr(restore, "apply_entries", apply)
+    monkeypatch.setenv(VERIFY_ENV, "device")
     host = torch.zeros(8, dtype=torch.uint8)
     with device_image.verifying_on(CPU):
         device_image.register(device_image.DeviceImage(host, host.clone()))
@@ -268,16 +269,16 @@ def test_only_cuda_state_asks_for_a_device() -> None:
     assert device_image.target_device([model, opt, torch.zeros(2), {"plain": 1}]) is None
 
 
-@pytest.mark.parametrize("rounds_built", [1, 3, 24])
-def test_every_file_size_slices_the_same_combining_tables(monkeypatch, rounds_built) -> None:
-    """Round k's table depends on k alone: one table of ``ROUNDS_BUILT`` rounds serves every smaller file,
+@pytest.mark.parametrize("levels_built", [1, 3, 24])
+def test_every_file_size_slices_the_same_combining_tables(monkeypatch, levels_built) -> None:
+    """Level k's table depends on k alone: one table of ``LEVELS_BUILT`` levels serves every smaller file,
     and a larger file gets its own."""
-    monkeypatch.setattr(device_crc, "ROUNDS_BUILT", rounds_built)
+    monkeypatch.setattr(device_crc, "LEVELS_BUILT", levels_built)
     for levels in (1, 3, 5):
-        slice_tab, rounds = device_crc._tables_int32(levels, CPU)
-        assert rounds.shape == (levels, 1024)
-        want = device_crc._round_tables(levels).reshape(levels, 1024).view(np.int32)
-        assert np.array_equal(rounds.numpy(), want)
+        slice_tab, combine = device_crc._tables_int32(levels, CPU)
+        assert combine.shape == (levels, 1024)
+        want = device_crc._level_tables(levels).reshape(levels, 1024).view(np.int32)
+        assert np.array_equal(combine.numpy(), want)
     monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
     data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())

@@ -19,6 +19,11 @@ from checkpointd.restore import step as restore_mod
 from checkpointd.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
+
+def _map_files(monkeypatch, mapped: bool) -> None:
+    """Map every non-empty local file (as on tmpfs in a CUDA process), or read every one."""
+    monkeypatch.setattr(fastload, "use_mmap", lambda path, size: mapped and size > 0)
+
 def _train_state():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 500), torch.nn.ReLU(), torch.nn.Linear(500, 9))
@@ -71,11 +76,11 @@ def test_plain_and_fast_paths_agree(tmp_path, monkeypatch) -> None:
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}) as mgr:
         mgr.save(1)
         mgr.wait()
-        monkeypatch.setenv(restore.FAST_READ_ENV, "0")
-        _scramble(model, opt)
-        mgr.restore(1)
-        assert _same(model, opt, ref)
-        monkeypatch.setenv(restore.FAST_READ_ENV, "1")
+        with monkeypatch.context() as m:  # the plain path, as for files that are not local
+            m.setattr(restore, "fast_read_applies", lambda store, entry: False)
+            _scramble(model, opt)
+            mgr.restore(1)
+            assert _same(model, opt, ref)
         _scramble(model, opt)
         mgr.restore(1)
         assert _same(model, opt, ref)
@@ -85,7 +90,7 @@ def test_plain_and_fast_paths_agree(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_corrupted_byte_is_refused_before_anything_is_applied(tmp_path, monkeypatch, compression, mapped) -> None:
     """Mapped uncompressed files are parsed while checksummed: a bad checksum still refuses the parse."""
-    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
+    _map_files(monkeypatch, mapped == "1")
     model, opt = _train_state()
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=compression) as mgr:
         mgr.save(1)
@@ -117,7 +122,7 @@ def test_truncated_file_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("mapped", ["0", "1"])
 def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch, mapped) -> None:
-    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
+    _map_files(monkeypatch, mapped == "1")
     monkeypatch.setattr(fastload, "READ_CHUNK_BYTES", 100_000)
     monkeypatch.setattr(fastload, "MAP_CRC_BYTES", 300_000)
     data = os.urandom(1_234_567)
@@ -129,7 +134,7 @@ def test_read_file_verified_crc_matches_zlib(tmp_path, monkeypatch, mapped) -> N
 
 
 def test_device_verify_replaces_the_host_checksum(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
+    _map_files(monkeypatch, True)
     data = os.urandom(100_000)
     p = tmp_path / "blob"
     p.write_bytes(data)
@@ -142,7 +147,7 @@ def test_device_verify_replaces_the_host_checksum(tmp_path, monkeypatch) -> None
 @pytest.mark.parametrize("mapped", ["0", "1"])
 def test_files_are_parsed_once_and_only_after_they_verify(tmp_path, monkeypatch, mapped) -> None:
     """Each file is parsed once, after its checksum matched the manifest, mapped or read."""
-    monkeypatch.setenv(fastload.MMAP_ENV, mapped)
+    _map_files(monkeypatch, mapped == "1")
     model, opt = _train_state()
     ref = _snapshot(model, opt)
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt}, compression=None) as mgr:
@@ -292,9 +297,8 @@ def test_code_in_a_pickle_never_runs_through_either_unpickler(tmp_path, monkeypa
     assert ran == []
 
 
-def test_auto_maps_memory_files_only_in_a_process_that_uses_cuda(monkeypatch) -> None:
+def test_memory_files_are_mapped_only_in_a_process_that_uses_cuda(monkeypatch) -> None:
     """A CUDA host training on its CPU reads (restored state views the buffer); a GPU-training process maps."""
-    monkeypatch.setenv(fastload.MMAP_ENV, "auto")
     monkeypatch.setattr(fastload, "_fs_type", lambda path: "tmpfs")
     big = fastload.MMAP_MIN_BYTES
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -305,8 +309,6 @@ def test_auto_maps_memory_files_only_in_a_process_that_uses_cuda(monkeypatch) ->
     assert not fastload.use_mmap("/x", big - 1)
     monkeypatch.setattr(fastload, "_fs_type", lambda path: "ext4")
     assert not fastload.use_mmap("/x", big)
-    monkeypatch.setenv(fastload.MMAP_ENV, "1")
-    assert fastload.use_mmap("/x", 1)
 
 
 @pytest.mark.parametrize("cuda_in_use", [False, True])
@@ -318,7 +320,6 @@ def test_cpu_state_on_a_cuda_host_restores_through_a_read(tmp_path, monkeypatch,
         mgr.save(1)
         mgr.wait()
         _scramble(model, opt)
-        monkeypatch.setenv(fastload.MMAP_ENV, "auto")
         monkeypatch.setattr(fastload, "MMAP_MIN_BYTES", 1)
         monkeypatch.setattr(fastload, "_fs_type", lambda path: "tmpfs")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

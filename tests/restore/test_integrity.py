@@ -1,4 +1,4 @@
-"""Integrity (issue 4 part 4): a tampered-checkpoint set against verify and restore, and partial reads."""
+"""Integrity: a tampered-checkpoint set against verify and restore, and partial reads."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_tampered_set(root: Path, name: str, capsys: pytest.CaptureFixture[str])
         assert "FAIL" in out and "step 20" in out
 
     # the whole root: the damaged newest step fails and is named; a step that lost its marker (or whose
-    # marker is not a valid one) is no longer a checkpoint, so only the intact one is checked
+    # marker is not a valid one) is not a checkpoint, so only the intact one is checked
     root_code = 0 if name in ("extra file", "marker missing", "marker garbage") else 1
     assert main(["verify", str(root)]) == root_code
     out = capsys.readouterr().out

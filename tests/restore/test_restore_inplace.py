@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 from checkpointd import CheckpointManager
-from checkpointd.restore import bulkcopy
+from checkpointd.restore import bounce, bulkcopy
 from checkpointd.restore import apply as restore_apply
+from checkpointd.restore.per_entry import apply_entry, match_optimizer_state_layout
 from checkpointd.errors import CorruptCheckpointError, StateMismatchError
 from checkpointd.state import classify, Entry
 
@@ -111,9 +112,8 @@ def test_bulk_apply_matches_the_per_entry_path(monkeypatch, fused, fresh) -> Non
     (ma, oa), (mb, ob) = live
     old_state = {id(p): dict(ob.state[p]) for p in mb.parameters()} if not fresh else {}
     params_before = [p for p in mb.parameters()]
-    monkeypatch.setenv(bulkcopy.H2D_ENV, "legacy")
-    restore_apply.apply_entries(_entries(ma, oa), {"model": saved["model"], "optim": saved["optim"]})
-    monkeypatch.setenv(bulkcopy.H2D_ENV, "auto")
+    for e in _entries(ma, oa):  # the per-entry path: each object's own load_state_dict
+        apply_entry(e, saved[e.name])
     restore_apply.apply_entries(_entries(mb, ob), {"model": saved["model"], "optim": saved["optim"]})
     _assert_same(ma, oa, mb, ob)
     _assert_same(model, opt, mb, ob)
@@ -127,7 +127,6 @@ def test_bulk_apply_matches_the_per_entry_path(monkeypatch, fused, fresh) -> Non
 
 
 def restore_apply_match(opt) -> None:
-    from checkpointd.restore.step import match_optimizer_state_layout
 
     match_optimizer_state_layout(opt)
 
@@ -204,9 +203,7 @@ def test_tampered_newest_step_falls_back_and_is_never_applied(tmp_path) -> None:
     _assert_same(scrambled[0], scrambled[1], model, opt)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "serial", "legacy"])
-def test_manager_round_trip_per_strategy(tmp_path, monkeypatch, strategy) -> None:
-    monkeypatch.setenv(bulkcopy.H2D_ENV, strategy)
+def test_manager_round_trip(tmp_path) -> None:
     model, opt = _trained(fused=True)
     ref = copy.deepcopy((model, opt))
     with CheckpointManager(str(tmp_path), {"model": model, "optim": opt, "t": torch.arange(4.0)}, compression=None) as mgr:
@@ -244,11 +241,11 @@ def test_intra_op_threads_are_raised_for_the_block_and_put_back() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with bulkcopy._intra_op_threads(2):
+        with bounce._intra_op_threads(2):
             assert torch.get_num_threads() == 2
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        with bulkcopy._intra_op_threads(1):  # never lowered
+        with bounce._intra_op_threads(1):  # never lowered
             assert torch.get_num_threads() == 2
         assert torch.get_num_threads() == 2
     finally:
@@ -260,7 +257,7 @@ def test_bulkcopy_helpers() -> None:
     assert bulkcopy.is_dense(x) and bulkcopy.is_dense(torch.randn(3)) and not bulkcopy.is_dense(torch.randn(4, 4)[:, :2])
     assert torch.equal(bulkcopy.flat_bytes(x), x.permute(0, 2, 3, 1).contiguous().view(-1).view(torch.uint8))
     dst = [torch.empty_like(x), torch.zeros(3, dtype=torch.float64)]
-    bulkcopy.copy_pairs([(dst[0], x), (dst[1], torch.arange(3, dtype=torch.float32))], "bounce")
+    bulkcopy.copy_pairs([(dst[0], x), (dst[1], torch.arange(3, dtype=torch.float32))])
     assert torch.equal(dst[0], x) and dst[0].stride() == x.stride() and dst[1].tolist() == [0.0, 1.0, 2.0]
 
 
@@ -268,8 +265,8 @@ def test_small_pairs_are_packed_in_order_within_a_chunk() -> None:
     """The bounce packs pairs below ``PACK_BELOW_BYTES`` into chunks: every pair once, in order, none over."""
     sizes = [5, 700, 300, 1, 999, 1000, 2, 600, 400]
     items = [(torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)) for n in sizes]
-    packs = bulkcopy._packs(items, 1000)
+    packs = bounce._packs(items, 1000)
     assert [p for pack in packs for p in pack] == items
     assert all(sum(d.numel() for d, _ in pack) <= 1000 for pack in packs)
     assert [[d.numel() for d, _ in pack] for pack in packs] == [[5, 700], [300, 1], [999], [1000], [2, 600], [400]]
-    assert bulkcopy._packs([], 1000) == []
+    assert bounce._packs([], 1000) == []

@@ -132,7 +132,7 @@ def test_stale_steps_of_the_old_branch_are_not_counted_by_retention(tmp_path: Pa
         mgr.restore(3)
         with pytest.warns(RuntimeWarning, match="replaces"):
             mgr.save(4)
-    # keep_last=2 of the new branch is [3, 4]; nothing of it was deleted for the old branch's sake
+    # keep_last=2 of the resumed branch is [3, 4]: none of its steps is deleted for the abandoned branch's sake
     assert sorted(p.name for p in Path(root).glob("step-*")) == ["step-000000003", "step-000000004"]
 
 

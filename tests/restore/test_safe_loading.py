@@ -1,4 +1,4 @@
-"""Safe loading (issue 4 part 5): a checkpoint whose pickle would run code is refused, and runs nothing.
+"""Safe loading: a checkpoint whose pickle would run code is refused, and runs nothing.
 
 The crafted files sit in committed steps with forged manifests and markers, so they pass every
 integrity check: what stops them is the weights-only unpickler on every read path (restore, load,

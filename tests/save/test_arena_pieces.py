@@ -1,4 +1,4 @@
-"""Staging arenas page-locked in pieces (``snapshot.arena_layout``, ``StagingArena._register_pinned``).
+"""Staging arenas page-locked in pieces (``arena.arena_layout``, ``StagingArena._register_pinned``).
 
 The registration itself needs CUDA (``tests/gpu/test_cuda_paths.py`` checks that every buffer of a
 many-piece arena is pinned and copied into bit-exactly); here the layout, the order and addresses of
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from checkpointd.storage import sharedmem
+from checkpointd.save import arena as arena_mod
 from checkpointd.save import snapshot
-from checkpointd.save.snapshot import PAGE_BYTES, StagingArena, arena_layout, tensor_spec
+from checkpointd.save.arena import PAGE_BYTES, StagingArena, arena_layout, tensor_spec
 
 MiB = 1 << 20
 SPECS = [tensor_spec(torch.empty(n, dtype=torch.float32, device="meta")) for n in
@@ -25,7 +26,7 @@ SPECS.append(tensor_spec(torch.empty(2, 3, 5, 7, device="meta").to(memory_format
 
 
 def _sizes(specs):
-    return [snapshot._span_elems(sh, st) * dt.itemsize for sh, st, dt in specs]
+    return [arena_mod.span_elems(sh, st) * dt.itemsize for sh, st, dt in specs]
 
 
 @pytest.mark.parametrize("piece", [0, MiB, 2 * MiB, 64 * MiB])
@@ -36,7 +37,7 @@ def test_layout_pieces_start_on_pages_and_hold_whole_buffers(piece):
     for (a, b), (c, d) in zip(pieces, pieces[1:]):
         assert b == c and c % PAGE_BYTES == 0, "pieces are adjacent, and each starts on a page"
     for off, n in zip(offsets, sizes):
-        assert off % snapshot.ALIGN_BYTES == 0
+        assert off % arena_mod.ALIGN_BYTES == 0
         inside = [(a, b) for a, b in pieces if a <= off and off + n <= b]
         assert len(inside) == 1, f"a buffer at {off} of {n} bytes must lie in exactly one piece: {pieces}"
     for (a, b) in pieces:
@@ -53,7 +54,7 @@ def test_layout_without_pieces_is_the_packed_layout():
     expect, at = [], 0
     for n in _sizes(SPECS):
         expect.append(at)
-        at += -(-n // snapshot.ALIGN_BYTES) * snapshot.ALIGN_BYTES
+        at += -(-n // arena_mod.ALIGN_BYTES) * arena_mod.ALIGN_BYTES
     assert offsets == expect and total == at
     _, total_pieces, _ = arena_layout(SPECS, MiB)
     assert total <= total_pieces <= total + len(SPECS) * PAGE_BYTES, "pieces cost at most a page each"
@@ -76,8 +77,8 @@ class _Recorder:
 def test_registration_goes_piece_by_piece_on_page_aligned_addresses(monkeypatch, shared):
     if shared and not sharedmem.supported():
         pytest.skip("no shared staging memory here")
-    monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "1")
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "0")
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", MiB)
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 0.0)
     rec = _Recorder()
     monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(rec))
     arena = StagingArena(SPECS, pin=True, shared=shared)
@@ -97,8 +98,8 @@ def test_registration_goes_piece_by_piece_on_page_aligned_addresses(monkeypatch,
 
 
 def test_pauses_follow_each_piece_and_hurry_skips_them(monkeypatch):
-    monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "1")
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "3")
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", MiB)
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 3.0)
     monkeypatch.setattr(StagingArena, "_unregister", lambda self: setattr(self, "_registered", []))
     rec = _Recorder(delay=0.02)
     monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(rec))
@@ -124,8 +125,8 @@ def test_pauses_follow_each_piece_and_hurry_skips_them(monkeypatch):
 
 
 def test_a_failed_piece_unregisters_the_others_and_falls_back(monkeypatch, caplog):
-    monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "1")
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "0")
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", MiB)
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 0.0)
     rec = _Recorder(fail_at=2)
     monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(rec))
     undone: list[list[int]] = []
@@ -141,8 +142,8 @@ def test_a_failed_piece_unregisters_the_others_and_falls_back(monkeypatch, caplo
 
 def test_a_waiting_save_hurries_the_preparation(monkeypatch):
     """A save that needs the arena while it is still being registered skips the remaining pauses."""
-    monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "1")
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "50")  # 50 x 20 ms a piece: ~1 s per pause unhurried
+    monkeypatch.setattr(arena_mod, "REGISTER_PIECE_BYTES", MiB)
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 50.0)  # 50 x 20 ms a piece: ~1 s per pause unhurried
     monkeypatch.setattr(StagingArena, "_unregister", lambda self: setattr(self, "_registered", []))
     monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(_Recorder(delay=0.02)))
     snap = snapshot.Snapshotter()
@@ -162,7 +163,7 @@ def test_a_waiting_save_hurries_the_preparation(monkeypatch):
 def test_cpu_only_state_is_not_page_locked_on_a_cuda_host(monkeypatch):
     """Pinning buys a CPU tensor's copy nothing and would bring up a CUDA context: on a CUDA host only
     layouts with device tensors are page-locked, ahead of time and at the save alike."""
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "0")
+    monkeypatch.setattr(arena_mod, "REGISTER_PAUSE", 0.0)
     monkeypatch.setattr(StagingArena, "_unregister", lambda self: setattr(self, "_registered", []))
     rec = _Recorder()
     monkeypatch.setattr(StagingArena, "_register_piece", staticmethod(rec))
@@ -188,26 +189,17 @@ def test_cpu_only_state_is_not_page_locked_on_a_cuda_host(monkeypatch):
     snap.close()
 
 
-def test_bad_environment_values_name_the_variable(monkeypatch):
-    monkeypatch.setenv(snapshot.REGISTER_PIECE_ENV, "lots")
-    with pytest.raises(ValueError, match="CHECKPOINTD_REGISTER_PIECE_MB='lots'"):
-        snapshot.register_piece_bytes()
-    monkeypatch.setenv(snapshot.REGISTER_PAUSE_ENV, "-1")
-    with pytest.raises(ValueError, match="CHECKPOINTD_REGISTER_PAUSE='-1'.*>= 0"):
-        snapshot.register_pause()
-
-
 def test_populate_threads_share_the_cores_between_local_ranks(monkeypatch):
-    monkeypatch.delenv(snapshot.POPULATE_THREADS_ENV, raising=False)
-    monkeypatch.setattr(snapshot.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(arena_mod.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert snapshot.populate_threads() == 4
+    assert arena_mod.populate_threads() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert snapshot.populate_threads() == 2
+    assert arena_mod.populate_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert snapshot.populate_threads() == 1
-    monkeypatch.setenv(snapshot.POPULATE_THREADS_ENV, "6")
-    assert snapshot.populate_threads() == 6
+    assert arena_mod.populate_threads() == 1
+    monkeypatch.setattr(arena_mod, "POPULATE_THREADS", 6)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert arena_mod.populate_threads() == 4
 
 
 def test_stats_report_the_preparation(tmp_path):

@@ -1,4 +1,4 @@
-"""Host staging budget (``host_staging_budget_bytes``): the chunk ring, on CPU.
+"""Host staging budget (``StagingOptions.host_budget_bytes``): the chunk ring, on CPU.
 
 Real runs use the ring only for CUDA tensors. Here ``snapshot.STREAM_CPU_TENSORS`` makes CPU tensors go
 through it too (plain copies instead of side-stream copies, hooks installed), so these tests exercise
@@ -22,12 +22,16 @@ import fsspec
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError, load
-from checkpointd.save import chunkstream
+from checkpointd import CheckpointManager, StagingOptions, CheckpointWriteError, load
+from checkpointd.save import chunkring
+from checkpointd.save import writer
 from checkpointd.storage import persist_process
 from checkpointd.storage import sharedmem
+from checkpointd.storage import writemode
 from checkpointd.save import snapshot
-from checkpointd.save.chunkstream import ChunkRing, ChunkStream, CpuCopier, plan_chunks, ring_geometry
+from checkpointd.save.chunkring import ChunkRing, ring_geometry
+from checkpointd.save.chunkstream import ChunkStream, plan_chunks
+from checkpointd.save.copiers import CpuCopier, byte_view
 from checkpointd.errors import ConfigError
 from checkpointd.testing.faults import Fault, FaultPlan
 from tree_compare import assert_tree_equal
@@ -83,7 +87,7 @@ def _files(root: str, fs: Any = None) -> dict[str, bytes]:
 
 def _save_once(root: str, budget: int | None, compression: str | None, **kw: Any) -> CheckpointManager:
     state = _make_state()
-    mgr = CheckpointManager(root, state, compression=compression, host_staging_budget_bytes=budget, **kw)
+    mgr = CheckpointManager(root, state, compression=compression, staging=StagingOptions(host_budget_bytes=budget), **kw)
     mgr.save(7)
     mgr.close()
     return mgr
@@ -95,10 +99,10 @@ def _save_once(root: str, budget: int | None, compression: str | None, **kw: Any
 def test_ring_geometry_fits_the_budget_with_a_floor():
     for budget in (2 * MiB, 3 * MiB, 10 * MiB, 100 * MiB, 1250 * 10**6, 80 << 30):
         chunk, n = ring_geometry(budget)
-        assert n >= 2 and chunk >= chunkstream.MIN_CHUNK_BYTES and chunk <= chunkstream.MAX_CHUNK_BYTES
+        assert n >= 2 and chunk >= chunkring.MIN_CHUNK_BYTES and chunk <= chunkring.MAX_CHUNK_BYTES
         assert chunk * n <= budget
         assert chunk % 4096 == 0
-    assert ring_geometry(1000) == (chunkstream.MIN_CHUNK_BYTES, 2)  # raised to the floor (logged by the snapshotter)
+    assert ring_geometry(1000) == (chunkring.MIN_CHUNK_BYTES, 2)  # raised to the floor (logged by the snapshotter)
     assert ring_geometry(100 * MiB) == (25 * MiB, 4)
 
 
@@ -118,7 +122,7 @@ def test_plan_chunks_splits_packs_and_puts_buffers_first():
     assert all(len({p.file for p in c.parts}) == 1 for c in chunks)
     for c in chunks:
         for p in c.parts:
-            assert p.chunk_offset % chunkstream.PART_ALIGN == 0 and p.chunk_offset + p.length <= chunk
+            assert p.chunk_offset % chunkring.PART_ALIGN == 0 and p.chunk_offset + p.length <= chunk
     # record order within each file is kept (apart from the early ones)
     order = [(p.file, p.key) for c in rest for p in c.parts]
     assert order == [(0, "0"), (0, "0"), (0, "0"), (0, "1"), (1, "1")]
@@ -135,7 +139,7 @@ def test_stream_delivers_exact_bytes_and_is_single_use():
                 sources[2].contiguous().numpy().tobytes(), sources[3].numpy().tobytes()]  # else contiguous
     ring = ChunkRing(4096, 2, pin=False)
     stream = ChunkStream(ring, CpuCopier(), sources, n_early=0)
-    recs = [[(str(i), i, chunkstream.byte_view(t).numel()) for i, t in enumerate(sources)]]
+    recs = [[(str(i), i, byte_view(t).numel()) for i, t in enumerate(sources)]]
     (reader,) = stream.plan(recs)
     got: dict[str, bytes] = {}
 
@@ -187,9 +191,9 @@ def test_abort_wakes_producer_consumers_and_hooks():
 @pytest.mark.parametrize("where", ["local", "local-stream", "local-mmap", "memory"])
 def test_files_match_the_unbudgeted_save(tmp_path, monkeypatch, stream_cpu, compression, where):
     if where == "local-stream":
-        monkeypatch.setenv("CHECKPOINTD_PARALLEL_WRITE", "0")
+        monkeypatch.setattr(writer, "parallel_write_applies", lambda *a: False)  # the streaming writer, on local files
     if where == "local-mmap":
-        monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "mmap")
+        monkeypatch.setattr(writemode, "WRITE_MODE", "mmap")
     if where == "memory":
         base = f"memory://hb-{compression}-{os.getpid()}-{time.monotonic_ns()}"
         ref_root, budget_root = f"{base}/ref", f"{base}/budget"
@@ -216,11 +220,11 @@ def test_files_match_the_unbudgeted_save(tmp_path, monkeypatch, stream_cpu, comp
 
 def test_restore_from_budgeted_save_is_bit_exact(tmp_path, stream_cpu):
     state = _make_state(0)
-    with CheckpointManager(tmp_path, state, compression="zstd", host_staging_budget_bytes=3 * MiB) as mgr:
+    with CheckpointManager(tmp_path, state, compression="zstd", staging=StagingOptions(host_budget_bytes=3 * MiB)) as mgr:
         mgr.save(1)
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
     fresh = _make_state(5)
-    with CheckpointManager(tmp_path, fresh, compression="zstd", host_staging_budget_bytes=3 * MiB) as mgr:
+    with CheckpointManager(tmp_path, fresh, compression="zstd", staging=StagingOptions(host_budget_bytes=3 * MiB)) as mgr:
         assert mgr.restore_latest() == 1
     for k, v in fresh["model"].state_dict().items():
         assert torch.equal(v, expected[k]) and v.stride() == expected[k].stride(), k
@@ -247,7 +251,7 @@ def test_optimizer_step_waits_until_everything_is_copied(tmp_path, stream_cpu):
     step()
     root, so = _slow_root(tmp_path, 0.02)  # each write call of the streaming writer takes 20 ms
     mgr = CheckpointManager(root, {"model": model, "opt": opt}, compression=None, storage_options=so,
-                            host_staging_budget_bytes=2 * MiB)
+                            staging=StagingOptions(host_budget_bytes=2 * MiB))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     expected_opt = {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()}
     assert mgr.maybe_save(3, force=True)
@@ -278,7 +282,7 @@ def test_consecutive_saves_reuse_the_ring_and_hold_their_own_values(tmp_path, st
     model = torch.nn.Linear(700, 900)
     opt = torch.optim.Adam(model.parameters())
     mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, max_pending=2, keep_last=None,
-                            host_staging_budget_bytes=2 * MiB)
+                            staging=StagingOptions(host_budget_bytes=2 * MiB))
     snaps = {}
     allocations = None
     for step in range(1, 6):
@@ -290,9 +294,9 @@ def test_consecutive_saves_reuse_the_ring_and_hold_their_own_values(tmp_path, st
         if step == 1:
             mgr.wait()
             allocations = mgr.stats()["staging_allocations"]
-            ring = mgr._snap._ring
+            ring = mgr._snap.ring
     mgr.wait()
-    assert mgr.stats()["staging_allocations"] == allocations and mgr._snap._ring is ring
+    assert mgr.stats()["staging_allocations"] == allocations and mgr._snap.ring is ring
     for step, values in snaps.items():
         assert_tree_equal(load(tmp_path, step=step)["model"], values)
     mgr.close()
@@ -304,7 +308,7 @@ def test_write_failure_fails_the_save_without_hanging_training(tmp_path, stream_
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = FaultPlan(Fault(op="write", path="*step-000000001*", nth=3, error=lambda op, path: OSError(errno.ENOSPC, "full")))
     mgr = CheckpointManager(f"faulty://{tmp_path}/ckpt", {"model": model, "opt": opt}, compression="zstd",
-                            storage_options={"target_protocol": "file", "faults": plan}, host_staging_budget_bytes=2 * MiB)
+                            storage_options={"target_protocol": "file", "faults": plan}, staging=StagingOptions(host_budget_bytes=2 * MiB))
     mgr.save(1)
     model(torch.randn(2, 1024)).sum().backward()
     done = threading.Event()
@@ -331,14 +335,14 @@ def test_the_persist_process_writes_the_chunks(tmp_path, monkeypatch, stream_cpu
     """The ring lives in shared memory and each chunk is one ``put`` request of ranges of one ring slot;
     the files are byte-identical to those this process writes when the persist process is off."""
     def save(root: str) -> tuple[Any, int]:
-        with CheckpointManager(root, _make_state(), compression=None, host_staging_budget_bytes=2 * MiB) as mgr:
+        with CheckpointManager(root, _make_state(), compression=None, staging=StagingOptions(host_budget_bytes=2 * MiB)) as mgr:
             mgr.save(7)
             mgr.wait()
-            return mgr._snap._ring.slots, mgr._snap._ring.chunk_bytes
+            return mgr._snap.ring.slots, mgr._snap.ring.chunk_bytes
 
     monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
     slots, _ = save(str(tmp_path / "here"))
-    assert slots is None  # private memory: the old path
+    assert slots is None  # private memory: the chunks are written from this process
     monkeypatch.delenv(sharedmem.SHARED_STAGING_ENV)
     puts = record_requests(monkeypatch, "put")
     before = persist_process.client().writes_done
@@ -407,7 +411,7 @@ def test_a_chunk_the_persist_process_fails_to_write_fails_the_save(tmp_path, mon
         return future
 
     monkeypatch.setattr(persist_process.RemoteFile, "submit", full_once)
-    mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, host_staging_budget_bytes=2 * MiB)
+    mgr = CheckpointManager(tmp_path, {"model": model, "opt": opt}, compression=None, staging=StagingOptions(host_budget_bytes=2 * MiB))
     mgr.save(1)
     model(torch.randn(2, 1024)).sum().backward()
     done = threading.Event()
@@ -428,8 +432,8 @@ def test_a_chunk_the_persist_process_fails_to_write_fails_the_save(tmp_path, mon
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1000"])
 def test_budget_must_be_a_positive_int(tmp_path, bad):
-    with pytest.raises(ConfigError, match="host_staging_budget_bytes"):
-        CheckpointManager(tmp_path, {"t": torch.zeros(3)}, host_staging_budget_bytes=bad)
+    with pytest.raises(ConfigError, match="StagingOptions.host_budget_bytes"):
+        CheckpointManager(tmp_path, {"t": torch.zeros(3)}, staging=StagingOptions(host_budget_bytes=bad))
 
 
 def test_full_mode_distributed_is_rejected(tmp_path, monkeypatch):
@@ -437,7 +441,7 @@ def test_full_mode_distributed_is_rejected(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dist, "is_active", lambda: True)
     with pytest.raises(ConfigError, match="mode='sharded'"):
-        CheckpointManager(tmp_path, {"t": torch.zeros(3)}, host_staging_budget_bytes=MiB, mode="full")
+        CheckpointManager(tmp_path, {"t": torch.zeros(3)}, staging=StagingOptions(host_budget_bytes=MiB), mode="full")
 
 
 def test_cpu_only_run_ignores_the_budget_with_a_note(tmp_path, caplog):
@@ -445,7 +449,7 @@ def test_cpu_only_run_ignores_the_budget_with_a_note(tmp_path, caplog):
         pytest.skip("CPU-only behaviour")
     state = {"t": torch.arange(10.0)}
     with caplog.at_level(logging.INFO, logger="checkpointd"):
-        mgr = CheckpointManager(tmp_path, state, compression=None, host_staging_budget_bytes=MiB)
+        mgr = CheckpointManager(tmp_path, state, compression=None, staging=StagingOptions(host_budget_bytes=MiB))
     assert "ignored without CUDA" in caplog.text
     mgr.save(1)
     state["t"].add_(1)  # CPU: anything may change right after maybe_save
@@ -458,9 +462,9 @@ def test_tiny_budget_uses_the_floor(tmp_path, stream_cpu, caplog):
     state = {"w": torch.randn(3 * MiB // 4)}
     expected = state["w"].clone()
     with caplog.at_level(logging.WARNING, logger="checkpointd"):
-        with CheckpointManager(tmp_path, state, compression=None, host_staging_budget_bytes=4096) as mgr:
+        with CheckpointManager(tmp_path, state, compression=None, staging=StagingOptions(host_budget_bytes=4096)) as mgr:
             mgr.save(1)
             mgr.wait()
-            assert mgr._snap._ring.nbytes == 2 * chunkstream.MIN_CHUNK_BYTES
+            assert mgr._snap.ring.nbytes == 2 * chunkring.MIN_CHUNK_BYTES
     assert "below the floor" in caplog.text
     assert torch.equal(load(tmp_path)["w"], expected)

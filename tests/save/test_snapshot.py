@@ -145,8 +145,8 @@ def test_buffers_prepared_ahead_are_pickled_there_so_the_first_save_hits_the_cac
 
 def test_copy_events_that_host_threads_wait_for_sleep_instead_of_spinning(monkeypatch):
     """The events of the device-to-host copies (which the writer's thread waits for) are made with
-    blocking synchronisation; ``CHECKPOINTD_SPIN_WAIT=1`` restores CUDA's default spin."""
-    from checkpointd.save import chunkstream
+    blocking synchronisation."""
+    from checkpointd.save import device_copies
 
     made = []
 
@@ -155,11 +155,8 @@ def test_copy_events_that_host_threads_wait_for_sleep_instead_of_spinning(monkey
             made.append(blocking)
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.delenv(chunkstream.SPIN_WAIT_ENV, raising=False)
-    chunkstream.host_waited_event()
-    monkeypatch.setenv(chunkstream.SPIN_WAIT_ENV, "1")
-    chunkstream.host_waited_event()
-    assert made == [True, False]
+    device_copies.host_waited_event()
+    assert made == [True]
 
 
 def test_collect_tensors_stores_a_tensor_once_per_view():

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.save import gcfreeze
 from checkpointd.storage import ptlayout
 from checkpointd import load
@@ -68,7 +68,7 @@ def test_manager_freezes_the_heap_until_the_last_manager_closes(tmp_path, gc_res
 def test_freeze_gc_false_and_a_disabled_collector_are_left_alone(tmp_path, gc_restored) -> None:
     gc.unfreeze()
     with CheckpointManager(str(tmp_path / "a"), {"model": _model()}, every_n_steps=1, compression=None,
-                           freeze_gc=False):
+                           staging=StagingOptions(freeze_gc=False)):
         assert gc.get_freeze_count() == 0 and gcfreeze.holders() == 0
     gc.disable()
     with CheckpointManager(str(tmp_path / "b"), {"model": _model()}, every_n_steps=1, compression=None):
@@ -89,23 +89,24 @@ def test_objects_made_after_the_freeze_are_still_collected(tmp_path, gc_restored
 
 
 def test_files_are_planned_before_the_copies_are_waited_for(tmp_path, monkeypatch) -> None:
-    """The committer pickles and lays out every file first; ``before_write`` (the copy wait) comes after."""
+    """The committer pickles and lays out every file first; ``planning.wait_for_copies`` comes after."""
+    from checkpointd.save import planning
     from checkpointd.save import writer as writer_mod
 
     seen: list[tuple[str, int, int]] = []
     orig_plan = writer_mod.BackgroundWriter.plan_job
+    orig_wait = planning.wait_for_copies
 
     def plan_job(self, job):
         orig_plan(self, job)
         seen.append(("planned", len(job.files), sum(f.image is not None for f in job.files)))
-        orig_before = job.before_write
 
-        def before_write():
-            seen.append(("before_write", len(job.files), 0))
-            orig_before()
-        job.before_write = before_write
+    def wait_for_copies(job):
+        seen.append(("wait_for_copies", len(job.files), 0))
+        orig_wait(job)
 
     monkeypatch.setattr(writer_mod.BackgroundWriter, "plan_job", plan_job)
+    monkeypatch.setattr(planning, "wait_for_copies", wait_for_copies)
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 16)).sum().backward()
@@ -115,7 +116,7 @@ def test_files_are_planned_before_the_copies_are_waited_for(tmp_path, monkeypatc
         mgr.wait()
         stats = mgr.stats()
     assert seen[0][0] == "planned" and seen[0][1] >= 2 and seen[0][2] == seen[0][1], seen
-    assert seen[1] == ("before_write", seen[0][1], 0), "the files were planned before the copy wait"
+    assert seen[1] == ("wait_for_copies", seen[0][1], 0), "the files were planned before the copy wait"
     assert "plan_secs" in stats["last_save"]
     state = load(str(tmp_path), 1)
     for k, v in model.state_dict().items():
@@ -129,51 +130,65 @@ def _plan(job) -> None:
     writer_mod.BackgroundWriter.plan_job(w, job)
 
 
-def _job(plan_files, plan_when=None):
-    from checkpointd.save.writer import SaveJob
+class _Copies:
+    """Stands in for ``device_copies.PendingCopies``: what ``planning.training_waits`` reads."""
 
-    return SaveJob(step=1, step_dir="step_1", files=[], manifest=None, before_write=lambda: None,  # type: ignore[arg-type]
-                   after_files=lambda: None, plan_files=plan_files, plan_when=plan_when)
+    def __init__(self, waits) -> None:
+        self.defer_planning = waits is not None
+        self.training_waits = waits
 
 
-def test_deferred_planning_waits_then_runs_at_a_short_gil_switch_interval(monkeypatch) -> None:
-    """A large CUDA snapshot's planning waits for ``plan_when`` (the training thread's next optimizer
-    step), then runs at ``PLAN_GIL_SWITCH_INTERVAL_SECS`` so the training thread gets the GIL back at
-    once when its wait for the GPU ends; the application's interval is put back. Without ``plan_when``
-    (small snapshots, CPU) planning starts at once and the interval is left alone."""
-    import sys
+class _Waits:
+    def __init__(self, wait) -> None:
+        self.wait = wait
 
+
+def _job(waits=None):
+    from checkpointd.save.job import SaveJob
+    from checkpointd.save.snapshot import StagedTensors
+
+    staged = StagedTensors(staged=[], arena=None, copies=_Copies(waits))
+    return SaveJob(step=1, step_dir="step_1", manifest=None, staged=staged)  # type: ignore[arg-type]
+
+
+def test_deferred_planning_waits_for_the_training_thread(monkeypatch) -> None:
+    """A large CUDA snapshot's planning waits for its ``training_waits`` (the training thread's next
+    optimizer step), at most ``PLAN_WAIT_SECS``. Without it (small snapshots, CPU), for a preemption
+    save, or with ``PLAN_WAIT_SECS`` 0, planning starts at once."""
+    from checkpointd.save import planning
     from checkpointd.save import writer as writer_mod
 
-    before = sys.getswitchinterval()
-    assert before > writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS
     ready = threading.Event()
-    seen: list[tuple[str, float]] = []
-    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())),
-               lambda secs: seen.append(("waiting", secs)) or ready.wait(secs))
+    seen: list[str] = []
+    real_plan_files = planning.plan_files
+
+    def plan_files(job, copied=True):
+        seen.append("planning")
+        return real_plan_files(job, copied)
+
+    monkeypatch.setattr(planning, "plan_files", plan_files)
+    job = _job(_Waits(lambda secs: seen.append(f"waiting {secs}") or ready.wait(secs)))
     threading.Timer(0.2, ready.set).start()
     _plan(job)
-    assert seen == [("waiting", writer_mod.PLAN_WAIT_SECS),
-                    ("planning", pytest.approx(writer_mod.PLAN_GIL_SWITCH_INTERVAL_SECS))], seen
+    assert seen == [f"waiting {writer_mod.PLAN_WAIT_SECS}", "planning"], seen
     assert 0.15 <= job.timings["plan_wait_secs"] < writer_mod.PLAN_WAIT_SECS
-    assert sys.getswitchinterval() == pytest.approx(before), "the application's interval is put back"
 
     seen.clear()
-    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())))
+    job = _job()
     _plan(job)
-    assert seen == [("planning", pytest.approx(before))] and "plan_wait_secs" not in job.timings
+    assert seen == ["planning"] and "plan_wait_secs" not in job.timings
 
     seen.clear()
-    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())), lambda secs: seen.append(("waiting", secs)))
+    job = _job(_Waits(lambda secs: seen.append(f"waiting {secs}")))
     job.fast = True  # a preemption save: its grace period is short, plan at once
     _plan(job)
-    assert seen == [("planning", pytest.approx(before))]
+    assert seen == ["planning"]
 
     seen.clear()
-    monkeypatch.setenv("CHECKPOINTD_PLAN_WAIT_SECS", "0")  # the benchmarks' switch back to planning at once
-    job = _job(lambda: seen.append(("planning", sys.getswitchinterval())), lambda secs: seen.append(("waiting", secs)))
+    monkeypatch.setattr(writer_mod, "PLAN_WAIT_SECS", 0.0)
+    job = _job(_Waits(lambda secs: seen.append(f"waiting {secs}")))
     _plan(job)
-    assert seen == [("planning", pytest.approx(before))]
+    assert seen == ["planning"]
 
 
 def test_cpu_saves_plan_at_once(tmp_path) -> None:
@@ -221,31 +236,30 @@ def test_run_tasks_lanes_stop_after_a_failure() -> None:
     assert len(ran) < 200, "tasks after the failure must not start"
 
 
-def test_write_lanes_come_from_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv(ptlayout.WRITE_LANES_ENV, raising=False)
-    assert ptlayout.write_lanes() == 4
-    monkeypatch.setenv(ptlayout.WRITE_LANES_ENV, "1")
-    assert ptlayout.write_lanes() == 1
-    monkeypatch.setenv(ptlayout.WRITE_LANES_ENV, "junk")
-    assert ptlayout.write_lanes() == 4
+def test_write_lanes_come_from_the_constant(monkeypatch) -> None:
+    from checkpointd.storage import writemode
+
+    assert writemode.write_lanes() == writemode.WRITE_LANES == 4
+    monkeypatch.setattr(writemode, "WRITE_LANES", 1)
+    assert writemode.write_lanes() == 1
 
 
 def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(tmp_path, monkeypatch) -> None:
     """A GradScaler's scale lives in the training-state file: the model file is pickled ahead, once;
     the training-state file after the copies, and the scale saved is the live one."""
-    import checkpointd.save.savejob as savejob_mod
+    import checkpointd.save.planning as planning_mod
     import checkpointd.state as state_mod
 
     def scaler_state_dict(scaler):  # as on CUDA: the scale is read from the staged copy, not with .item()
         return {**scaler.state_dict(), "scale": state_mod.DeferredScalar(scaler._scale, float)}
     monkeypatch.setattr(state_mod, "scaler_state_dict", scaler_state_dict)
     calls = []
-    inner = savejob_mod.plan_pt
+    inner = planning_mod.plan_pt
 
     def plan_pt(tree, **kw):
         calls.append(sorted(tree) if isinstance(tree, dict) else type(tree).__name__)
         return inner(tree, **kw)
-    monkeypatch.setattr(savejob_mod, "plan_pt", plan_pt)
+    monkeypatch.setattr(planning_mod, "plan_pt", plan_pt)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -255,7 +269,6 @@ def test_files_needing_a_copied_value_are_planned_after_the_wait_the_rest_once(t
     scale = scaler.get_scale()
     with CheckpointManager(tmp_path, {"model": model, "optimizer": opt, "scaler": scaler}, compression=None) as mgr:
         mgr.save(1)
-    files = [c for c in calls if c != "list"]  # "list": the staging buffers pre-pickled when prepared ahead
-    assert len(files) == 2, calls  # each file pickled exactly once
+    assert len(calls) == 2, calls  # each file pickled exactly once (the committer's planning steps)
     ckpt = torch.load(tmp_path / "step-000000001" / "checkpoint.0.1.pt", weights_only=True)
     assert ckpt["scaler_state_dict"]["scale"] == scale

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError
+from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions
 from checkpointd.testing import SmallFilesystemUnavailable, small_filesystem
 
 MiB = 2**20
@@ -55,7 +55,7 @@ def _fill(mount: Path, leave_free: int) -> Path:
 def test_disk_full_is_clear_commits_nothing_and_recovers(small_fs, compression):
     root = small_fs / "ckpt"
     state = _state(1)
-    mgr = CheckpointManager(root, state, keep_last=2, compression=compression, retry_timeout_secs=30)
+    mgr = CheckpointManager(root, state, keep_last=2, compression=compression, io=IOOptions(retry_timeout_secs=30))
     mgr.save(1)
     mgr.wait()
     filler = _fill(small_fs, leave_free=300 * 1024)  # step 2 (1 MiB) does not fit

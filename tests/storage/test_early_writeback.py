@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointManager
+from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.storage import fsinfo
 from checkpointd.storage import persist_process
 from checkpointd.storage import ptlayout
@@ -27,13 +27,13 @@ def _state() -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(300_000 + 1000 * i) for i in range(4)}
 
 
-@pytest.mark.parametrize(("env", "fstype", "expected"), [
-    ("auto", "ext4", True), ("auto", "xfs", True), ("auto", "tmpfs", False), ("auto", None, False),
-    ("1", "tmpfs", True), ("0", "ext4", False), ("off", "xfs", False),
+@pytest.mark.parametrize(("setting", "fstype", "expected"), [
+    (None, "ext4", True), (None, "xfs", True), (None, "tmpfs", False), (None, None, False),
+    (True, "tmpfs", True), (False, "ext4", False), (False, "xfs", False),
 ])
-def test_early_writeback_follows_the_filesystem_and_the_switch(monkeypatch: pytest.MonkeyPatch, env: str,
+def test_early_writeback_follows_the_filesystem_and_the_switch(monkeypatch: pytest.MonkeyPatch, setting: bool | None,
                                                                fstype: str | None, expected: bool) -> None:
-    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, env)
+    monkeypatch.setattr(fsinfo, "EARLY_WRITEBACK", setting)
     monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: fstype)
     assert fsinfo.early_writeback(0) is expected
 
@@ -58,7 +58,7 @@ def test_start_writeback_on_a_file_and_on_a_pipe(tmp_path: Path) -> None:
 
 def _record_writebacks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Early writeback forced on; every ``(offset, nbytes)`` handed to the disk in this process is recorded."""
-    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "1")
+    monkeypatch.setattr(fsinfo, "EARLY_WRITEBACK", True)
     calls: list[tuple[int, int]] = []
     real = fsinfo.start_writeback
 
@@ -90,7 +90,7 @@ def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, mo
 
 
 def test_no_writeback_requested_on_memory_filesystems(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, "auto")
+    monkeypatch.setattr(fsinfo, "EARLY_WRITEBACK", None)
     monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: "tmpfs")
     calls: list[Any] = []
     monkeypatch.setattr(fsinfo, "start_writeback", lambda *a: calls.append(a) or True)
@@ -99,10 +99,10 @@ def test_no_writeback_requested_on_memory_filesystems(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
-@pytest.mark.parametrize("env", ["1", "0"])
+@pytest.mark.parametrize("setting", [True, False])
 def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str) -> None:
-    monkeypatch.setenv(fsinfo.EARLY_WRITEBACK_ENV, env)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: bool) -> None:
+    monkeypatch.setattr(fsinfo, "EARLY_WRITEBACK", setting)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 512)).sum().backward()
@@ -116,7 +116,7 @@ def test_persist_process_is_asked_to_write_back_and_writes_the_same_bytes(
         mgr.save(2)
         mgr.wait()
         assert process.writes_done >= before + 2
-    assert requests and all(m[-1] is (env == "1") for m in requests)
+    assert requests and all(m[-1] is setting for m in requests)
     step_dir = tmp_path / "step-000000002"
     manifest = Manifest.from_json((step_dir / "manifest.json").read_bytes())
     for entry in manifest.files:
@@ -145,7 +145,8 @@ def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeyp
     requests = record_requests(monkeypatch, "attach", "put") if writer == "persist-process" else []
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)).to(device)
-    with CheckpointManager(tmp_path, {"model": model}, compression=None, host_staging_budget_bytes=2 << 20) as mgr:
+    with CheckpointManager(tmp_path, {"model": model}, compression=None,
+                           staging=StagingOptions(host_budget_bytes=2 << 20)) as mgr:
         mgr.save(1)
         mgr.wait()
         assert mgr.stats()["saves_committed"] == 1

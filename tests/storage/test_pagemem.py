@@ -123,12 +123,12 @@ def test_staging_slabs_drop_their_pages_in_pieces_when_the_last_view_dies(monkey
     """An arena replaced during training (optimizer state appearing) goes without a multi-GB unmap at once."""
     import gc
 
-    from checkpointd.save import snapshot
+    from checkpointd.save import arena
 
     monkeypatch.setattr(pagemem, "RELEASE_PIECE_BYTES", 1 << 20)
     gc.collect()  # other tests' mappings first
     calls = _recording_madvise(monkeypatch)
-    private = snapshot._private_slab((3 << 20) + 4096)
+    private = arena.private_slab((3 << 20) + 4096)
     private.fill_(7)
     base = private.data_ptr()
     del private

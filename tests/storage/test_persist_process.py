@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, load
+from checkpointd import CheckpointManager, load, options
 from checkpointd.storage import persist_process
 from checkpointd.storage import sharedmem
 from checkpointd.format.manifest import Manifest
@@ -391,7 +391,7 @@ def _wait_until(check: Any, timeout: float = 20.0) -> bool:
 def test_making_a_blank_file_waits_while_a_save_writes(tmp_path: Path) -> None:
     """Background populating (a blank file made ahead) yields to saves: while a file is attached it
     maps nothing, and it finishes once the file is detached. (One advice over a whole 3.2 GB blank
-    file held up a save's first file ~0.5 s on an H200 host: RESULTS.md, session 23.)"""
+    file holds up a save's first file ~0.5 s on an H200 host.)"""
     process = persist_process.client()
     assert process is not None and process.keeps_mappings
     shm = Path("/dev/shm")
@@ -439,7 +439,7 @@ def test_making_a_blank_file_waits_for_saves_at_most_the_bound(tmp_path: Path, m
     entry = worker = None
     try:
         os.ftruncate(fd, 4 << 20)
-        entry = main._KeptFile(fd, 4 << 20)
+        entry = main.KeptFile(fd, 4 << 20)
         server._saving = 1  # an attached file whose detach never comes
         started = time.monotonic()
         worker = threading.Thread(target=server.populate_in_background, args=(entry,), daemon=True)
@@ -550,7 +550,7 @@ def test_a_file_written_again_keeps_its_mapping_until_it_is_deleted(tmp_path: Pa
 
 
 def test_mappings_are_not_kept_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "0")
+    monkeypatch.setattr(persist_process, "KEEP_MAPPINGS", False)
     persist_process.shutdown()
     slab = sharedmem.SharedSlab(1 << 20)
     try:
@@ -567,20 +567,21 @@ def test_mappings_are_not_kept_when_turned_off(tmp_path: Path, monkeypatch: pyte
 
 def test_mappings_are_kept_by_default_only_where_the_host_runs_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's retention retires every rank's files and can ask only its own process about them."""
-    for name in (persist_process.KEEP_MAPPINGS_ENV, "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+    monkeypatch.setattr(persist_process, "KEEP_MAPPINGS", None)
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert persist_process._keep_mappings()  # one process, no launcher
+    assert persist_process.keep_mappings()  # one process, no launcher
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not persist_process._keep_mappings()  # ranks, and nothing says they are on other hosts
+    assert not persist_process.keep_mappings()  # ranks, and nothing says they are on other hosts
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert persist_process._keep_mappings()  # one rank on this host (torchrun)
+    assert persist_process.keep_mappings()  # one rank on this host (torchrun)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert not persist_process._keep_mappings()
-    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "1")
-    assert persist_process._keep_mappings()  # said so
-    monkeypatch.setenv(persist_process.KEEP_MAPPINGS_ENV, "0")
+    assert not persist_process.keep_mappings()
+    monkeypatch.setattr(persist_process, "KEEP_MAPPINGS", True)
+    assert persist_process.keep_mappings()  # said so
+    monkeypatch.setattr(persist_process, "KEEP_MAPPINGS", False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert not persist_process._keep_mappings()
+    assert not persist_process.keep_mappings()
 
 
 def _pythonpath() -> str:
@@ -603,7 +604,7 @@ def test_turned_off_nothing_is_shared_and_no_process_starts(tmp_path: Path) -> N
         assert persist_process._client is None
         print("ok")
     """)
-    env = {**os.environ, "CHECKPOINTD_PERSIST_PROCESS": "0", "PYTHONPATH": _pythonpath()}
+    env = {**os.environ, options.PERSIST_PROCESS_ENV: "0", "PYTHONPATH": _pythonpath()}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -675,17 +676,15 @@ def test_a_process_that_cannot_run_is_not_restarted(tmp_path: Path, monkeypatch:
         assert persist_process.client() is not None  # the real one starts again for later tests
 
 
-def test_thread_count_comes_from_the_environment_or_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.delenv(persist_process.PERSIST_THREADS_ENV, raising=False)
+def test_thread_count_comes_from_the_io_threads_and_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert persist_process._threads(32) == 16  # the host's I/O threads shared by its ranks
-    assert persist_process._threads(6) == 4  # never fewer than 4 by default
-    monkeypatch.setenv(persist_process.PERSIST_THREADS_ENV, "2")
-    assert persist_process._threads(32) == 2
+    assert persist_process.threads_for(32) == 16  # the host's I/O threads shared by its ranks
+    assert persist_process.threads_for(6) == 4  # never fewer than 4
+    monkeypatch.setenv(options.IO_THREADS_ENV, "12")
     persist_process.shutdown()
     try:
         process = persist_process.client()
-        assert process is not None and process.threads == 2
+        assert process is not None and process.threads == 6
         fd = os.open(tmp_path / "served", os.O_WRONLY | os.O_CREAT)
         try:
             assert process.submit_scatter(fd, [(0, b"x")]).result(timeout=30) is None  # it serves requests

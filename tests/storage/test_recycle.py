@@ -2,7 +2,7 @@
 
 What must hold: the files a save overwrites are ones retention retired, never a file that something
 else still has open, mapped or hard-linked; every checkpoint restores bit-exact; the bin never holds
-more than one save's worth and is gone after ``close()``; ``CHECKPOINTD_RECYCLE=0`` turns it off.
+more than one save's worth and is gone after ``close()``; ``options.recycle_enabled()`` turns it off.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ import time
 
 import pytest
 import torch
+from tree_compare import big_files
 
 from checkpointd import CheckpointManager, load
+from checkpointd.storage import filesahead
 from checkpointd.storage import recycle
+from checkpointd.storage import recyclebin
+from checkpointd.storage import writemode
 from checkpointd.storage.store import Store
 
-pytestmark = pytest.mark.skipif(recycle._F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
+pytestmark = pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 BIN = recycle.BIN_NAME
 
@@ -33,7 +37,7 @@ def write_mode(request, monkeypatch):
     """How the persist process fills files: ``auto`` (positional writes here, on a disk) or ``mmap``
     (as on tmpfs: the process keeps each file's mapping, so retention must ask it whether a retired
     file is in use)."""
-    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", request.param)
+    monkeypatch.setattr(writemode, "WRITE_MODE", request.param)
     return request.param
 
 
@@ -62,7 +66,7 @@ def _digest(path) -> str:
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode, monkeypatch):
-    monkeypatch.setenv(recycle.FILES_AHEAD_ENV, "0")  # the bin holds retired files only (files made ahead: below)
+    monkeypatch.setattr(filesahead, "FILES_AHEAD_SETS", 0)  # the bin holds retired files only (files made ahead: below)
     model = _state(rows=2560)  # 20 MiB: compressed with zstd still above recycle.MIN_RECYCLE_BYTES
     seen_inodes: list[set[int]] = []
     recycled: list[tuple[int, int]] = []
@@ -138,9 +142,10 @@ def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
 
 
 def test_no_files_are_made_ahead_where_a_save_would_not_take_them(tmp_path, monkeypatch):
-    for root, kwargs, env in [(tmp_path / "zstd", {"compression": "zstd"}, {}),
-                              (tmp_path / "off", {"compression": None}, {recycle.FILES_AHEAD_ENV: "0"}),
-                              (tmp_path / "norecycle", {"compression": None}, {recycle.RECYCLE_ENV: "0"})]:
+    for root, kwargs, sets, env in [(tmp_path / "zstd", {"compression": "zstd"}, 2, {}),
+                                    (tmp_path / "off", {"compression": None}, 0, {}),
+                                    (tmp_path / "norecycle", {"compression": None}, 2, {recycle.RECYCLE_ENV: "0"})]:
+        monkeypatch.setattr(filesahead, "FILES_AHEAD_SETS", sets)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         with CheckpointManager(root, {"model": _state()}, **kwargs) as mgr:
@@ -161,7 +166,7 @@ def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, mon
             raise OSError(errno.ENOSPC, "No space left on device")
         os.ftruncate(fd, length)
 
-    monkeypatch.setattr(recycle.os, "posix_fallocate", full)
+    monkeypatch.setattr(filesahead.os, "posix_fallocate", full)
     ahead = recycle.FilesAhead(store, [64 << 20, 32 << 20], sets=2)
     ahead.start()
     ahead.wait(30)
@@ -228,7 +233,7 @@ def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, mo
         writes.append(len(data))
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(recycle.os, "pwrite", pwrite)
+    monkeypatch.setattr(filesahead.os, "pwrite", pwrite)
     nbytes = 20 << 20
     ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=1)
     ahead.start()
@@ -238,7 +243,7 @@ def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, mo
     [name] = os.listdir(tmp_path / "a" / BIN)
     assert os.path.getsize(tmp_path / "a" / BIN / name) == nbytes
     if fstype == "tmpfs":
-        assert max(writes) == recycle.ZERO_WRITE_BYTES
+        assert max(writes) == filesahead.ZERO_WRITE_BYTES
         busy = threading.Event()
         stopper = recycle.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=1, busy=busy.is_set)
 
@@ -246,7 +251,7 @@ def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, mo
             busy.set()  # the staging buffers are being prepared: the zeros wait, then stop() ends them
             return real_pwrite(fd, data, offset)
 
-        monkeypatch.setattr(recycle.os, "pwrite", pwrite_then_busy)
+        monkeypatch.setattr(filesahead.os, "pwrite", pwrite_then_busy)
         stopper.start()
         deadline = time.monotonic() + 30
         while not busy.is_set() and time.monotonic() < deadline:
@@ -336,7 +341,7 @@ def test_files_ahead_wait_while_a_save_writes(tmp_path, monkeypatch):
 def test_files_ahead_are_made_only_for_saves_not_yet_begun(tmp_path, monkeypatch):
     """Set k is for save k + 1: with one save begun, one set of two is made; a file being written with
     zeros when the save it was for begins is given up and removed at once, not finished and left for
-    the next retirement to delete on a save's time (0.43 s of a 0.86 s save on an H200 host, session 26)."""
+    the next retirement to delete on a save's time (0.43 s of a 0.86 s save on an H200 host)."""
     from checkpointd.storage import fsinfo
 
     monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: "tmpfs")  # zeros are written
@@ -362,13 +367,13 @@ def test_files_ahead_are_made_only_for_saves_not_yet_begun(tmp_path, monkeypatch
             started[0] = 2  # the second save begins while its file is half written
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(recycle.os, "pwrite", pwrite)
+    monkeypatch.setattr(filesahead.os, "pwrite", pwrite)
     started[0] = 1
     late = recycle.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=2, saves_started=lambda: started[0])
     late.start()
     late.wait(30)
     assert late.made == [] and late.given_up == 1
-    assert len(writes) == 2 < nbytes // recycle.ZERO_WRITE_BYTES  # given up midway, not finished
+    assert len(writes) == 2 < nbytes // filesahead.ZERO_WRITE_BYTES  # given up midway, not finished
     assert os.listdir(tmp_path / "b" / BIN) == []  # and removed
     none_left = recycle.FilesAhead(Store(str(tmp_path / "c")), [nbytes], sets=2, saves_started=lambda: 2)
     none_left.start()
@@ -534,7 +539,7 @@ def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
     retirement.retire("step-000000002")
     assert not os.path.exists(stale)
     assert os.path.exists(small)  # small files stay for the caller to delete with the directory
-    assert sorted(n for _, n in recycle._bin_entries(str(tmp_path / BIN))) == [20 * mib, 30 * mib]
+    assert sorted(n for _, n in recyclebin.bin_entries(str(tmp_path / BIN))) == [20 * mib, 30 * mib]
     assert retirement.recycled_bytes == 50 * mib
     assert sorted(os.listdir(tmp_path / "step-000000002")) == ["f0", "f1"]  # over budget: left to be deleted
     recycle.empty(store)
@@ -549,7 +554,7 @@ def test_a_retired_file_a_little_larger_than_the_next_saves_is_recycled(tmp_path
     _bin_file(tmp_path / "step-000000002", "f.pt.zst", 20 * mib)
     retirement = recycle.Retirement(store, "step-000000002")
     retirement.retire("step-000000001")
-    assert [n for _, n in recycle._bin_entries(str(tmp_path / BIN))] == [20 * mib + 20 * 1024]
+    assert [n for _, n in recyclebin.bin_entries(str(tmp_path / BIN))] == [20 * mib + 20 * 1024]
 
 
 def test_streamed_files_take_a_retired_file_only_when_large(tmp_path):

@@ -1,4 +1,4 @@
-"""Both ways the parallel local writer puts bytes in a file (``CHECKPOINTD_WRITE_MODE``): positional
+"""Both ways the parallel local writer puts bytes in a file (``writemode.WRITE_MODE``): positional
 writes and a shared mapping. Same files, same checksums; a full disk is a clean error in both."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, CheckpointWriteError, load
+from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions, load, options
 from checkpointd.format.manifest import Manifest
+from checkpointd.storage import writemode
 from checkpointd.testing import SmallFilesystemUnavailable, small_filesystem
 
 MiB = 2**20
@@ -26,7 +27,7 @@ def _model() -> torch.nn.Module:
 
 @pytest.mark.parametrize("mode", ["pwrite", "mmap"])
 def test_modes_write_identical_loadable_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", mode)
+    monkeypatch.setattr(writemode, "WRITE_MODE", mode)
     model = _model()
     with CheckpointManager(tmp_path, {"model": model}, compression=None) as mgr:
         mgr.save(3)
@@ -43,11 +44,11 @@ def test_modes_write_identical_loadable_files(tmp_path: Path, monkeypatch: pytes
 
 
 def test_mmap_mode_disk_full_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "mmap")
+    monkeypatch.setattr(writemode, "WRITE_MODE", "mmap")
     try:
         with small_filesystem(3 * MiB, parent=tmp_path) as mount:
             state = {"w": torch.randn(1024 * 1024)}  # 4 MiB: cannot fit
-            with CheckpointManager(mount / "run", state, compression=None, retry_timeout_secs=1) as mgr:
+            with CheckpointManager(mount / "run", state, compression=None, io=IOOptions(retry_timeout_secs=1)) as mgr:
                 mgr.save(1)
                 with pytest.raises(CheckpointWriteError, match="step 1"):
                     mgr.wait()
@@ -63,13 +64,13 @@ def test_auto_mode_maps_files_on_tmpfs_only(tmp_path: Path, monkeypatch: pytest.
     from checkpointd.storage import fsinfo
     from checkpointd.storage import ptlayout
 
-    monkeypatch.delenv("CHECKPOINTD_WRITE_MODE", raising=False)
+    monkeypatch.setattr(writemode, "WRITE_MODE", None)
     fd = os.open(tmp_path / "default-probe", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         assert ptlayout.write_mode(fd) == "pwrite"
     finally:
         os.close(fd)
-    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "auto")
+    monkeypatch.setattr(writemode, "WRITE_MODE", "auto")
     shm = Path("/dev/shm")
     if fsinfo.filesystem_type(str(shm)) != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")
@@ -80,7 +81,7 @@ def test_auto_mode_maps_files_on_tmpfs_only(tmp_path: Path, monkeypatch: pytest.
         finally:
             os.close(fd)
             os.unlink(directory / f"ckd-mode-probe-{os.getpid()}")
-    monkeypatch.setenv("CHECKPOINTD_WRITE_MODE", "pwrite")
+    monkeypatch.setattr(writemode, "WRITE_MODE", "pwrite")
     fd = os.open(shm / f"ckd-mode-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         assert ptlayout.write_mode(fd) == "pwrite"  # an explicit choice wins
@@ -177,9 +178,9 @@ def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: p
     from checkpointd.storage import sharedmem
 
     monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
-    monkeypatch.delenv("CHECKPOINTD_WRITE_MODE", raising=False)
-    monkeypatch.setenv(ptlayout.FAST_PERSIST_ENV, persist)
-    monkeypatch.setenv("CHECKPOINTD_IO_THREADS", "6")
+    monkeypatch.setattr(writemode, "WRITE_MODE", None)
+    monkeypatch.setattr(writemode, "FAST_PERSIST", persist == "fast")
+    monkeypatch.setenv(options.IO_THREADS_ENV, "6")
     fast, lanes = _spy_writes(monkeypatch)
     model = _model()
     with CheckpointManager(write_root, {"model": model}, compression=None) as mgr:
@@ -195,7 +196,7 @@ def test_a_preemption_save_is_written_fast(tmp_path: Path, monkeypatch: pytest.M
     import signal
     import time
 
-    monkeypatch.delenv("CHECKPOINTD_PERSIST", raising=False)
+    monkeypatch.setattr(writemode, "FAST_PERSIST", False)
     fast, _ = _spy_writes(monkeypatch)
     model = _model()
     with CheckpointManager(tmp_path, {"model": model}, compression=None, every_n_steps=2,

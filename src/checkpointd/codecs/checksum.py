@@ -1,10 +1,10 @@
 """Checksums computed while bytes stream to storage (no second pass over the data).
 
-CRC-32 of the bytes exactly as stored, by :data:`checkpointd.codecs.crc.crc32`: zlib-ng's where installed
-(the ``fast`` extra; 15-20 GB/s a core), else zlib's (~4 GB/s); both release the GIL on large buffers.
-Why not ``zlib.crc32`` always: a compressed file's one writer thread checksums every byte it writes,
-and at zlib's rate that cost about as much as the write (H200, 4.83 GB zstd save to tmpfs, same
-lease: 1.40-1.68 GB/s with zlib's CRC, 1.68-2.20 with zlib-ng's; benchmarks/RESULTS.md, session 14).
+CRC-32 of the bytes exactly as stored, by :data:`checkpointd.codecs.crc.crc32`: zlib-ng's (15-20 GB/s a
+core), else zlib's (~4 GB/s); both release the GIL on large buffers. Why not ``zlib.crc32`` always: a
+compressed file's one writer thread checksums every byte it writes, and at zlib's rate that costs about as
+much as the write (H200, 4.83 GB zstd save to tmpfs: 1.40-1.68 GB/s with zlib's CRC, 1.68-2.20 with
+zlib-ng's).
 It detects truncation and corruption; the commit marker additionally pins the manifest with SHA-256,
 so a manifest cannot be swapped under a marker.
 """

@@ -39,7 +39,8 @@ Codecs (``get_codec(name)``):
                                  an escape; code k in the high nibble of byte k, code ceil(n/2) + k
                                  in its low nibble) followed by the escaped values in element order;
                                  flags bit 0: elements were rotated left by one bit; bit 1: the crc
-                                 covers every stored plane byte (written since the nibble mode)
+                                 covers every stored plane byte (the encoder always sets it; a
+                                 nibble plane requires it)
                 crc: CRC-32 of the bytes stored raw (all stored plane bytes with flags bit 1), in
                      order; zstd frames without flags bit 1 carry their own checksum
     index       the seek table above, with footer magic 0x31504B43 (b"CKP1") instead of 0x8F92EAB1;
@@ -59,7 +60,6 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -70,32 +70,28 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from checkpointd.codecs import planes as kernels
-from checkpointd.format import layout
+from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, SEEKABLE_FOOTER_MAGIC, seek_table
+from checkpointd.codecs.planes import decode_chunk_into, encode_chunk
+from checkpointd.codecs.reader import DecodedReader
+from checkpointd.codecs.zstd_frames import compressor, zstd_decompress_into
 from checkpointd.errors import ConfigError, CorruptCheckpointError
+from checkpointd.format import layout
 from checkpointd.format.manifest import CODECS
 from checkpointd.format.streams import ReadStream
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+"""Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
 PLANES_CHUNK_BYTES = 16 << 20
 """``zstd-planes`` chunks are bigger: each costs a few dozen NumPy calls that hold the GIL, and on a
-16-core H200 host 16 threads encoded 256 MB of fp32 at 4.2-4.7 GB/s in 16 MiB chunks against 2.5 in
-4 MiB chunks (decoding: no change, 3.7-5.4 GB/s). A one-tensor partial read decodes at most one
+16-core H200 host 16 threads encode 256 MB of fp32 at 4.2-4.7 GB/s in 16 MiB chunks against 2.5 in
+4 MiB chunks (decoding: the same, 3.7-5.4 GB/s). A one-tensor partial read decodes at most one
 chunk more on each side."""
-"""Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
 
 DIRECT_MIN_BYTES = 64 << 10
 """Writes at least this big are chunked zero-copy; smaller ones are copied into a shared chunk."""
 
 _MAX_CHUNK_BYTES = 1 << 30
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard exports only the maximum
-_SKIPPABLE_INDEX_MAGIC = 0x184D2A5E
-_SEEKABLE_FOOTER_MAGIC = 0x8F92EAB1
-_PLANES_FOOTER_MAGIC = 0x31504B43
-
-_FRAME_HEADER = struct.Struct("<II")  # skippable frame: magic, payload size
-_ENTRY = struct.Struct("<II")  # seek table entry: frame size, native size
-_FOOTER = struct.Struct("<IBI")  # frame count, descriptor, magic
 
 PLANES_BANNER = (
     b"checkpointd: this file was compressed with codec 'zstd-planes', which the zstd tool cannot\n"
@@ -198,7 +194,8 @@ class ZstdCodec:
 
     name = "zstd"
     suffix = layout.ZSTD_SUFFIX
-    _footer_magic = _SEEKABLE_FOOTER_MAGIC
+    footer_magic = SEEKABLE_FOOTER_MAGIC
+    """The seek table's footer magic (:mod:`checkpointd.codecs.container`)."""
 
     def __init__(
         self,
@@ -244,8 +241,6 @@ class ZstdCodec:
         Raises:
             CorruptCheckpointError: no valid seek table (truncated or not written by checkpointd).
         """
-        from checkpointd.codecs.reader import DecodedReader  # the reading half of the container format
-
         return DecodedReader(self, raw)
 
     # hooks of the chunked encoder and decoder, overridden by the planes codec
@@ -253,17 +248,11 @@ class ZstdCodec:
         return []
 
     def _encode(self, view: memoryview, dtype: torch.dtype | None) -> list[Any]:
-        return [kernels.compressor(self.level).compress(view)]
+        return [compressor(self.level).compress(view)]
 
-    def _decode_into(self, frame: memoryview, out: np.ndarray) -> None:
+    def decode_into(self, frame: memoryview, out: np.ndarray) -> None:
         """Decode one chunk frame into ``out`` (uint8, the chunk's native size); runs on the pool."""
-        kernels.zstd_decompress_into(frame, out)
-
-    def _decode(self, frame: memoryview, native_nbytes: int) -> np.ndarray:
-        """One chunk's native bytes in a new array (see :meth:`_decode_into`)."""
-        out = np.empty(native_nbytes, dtype=np.uint8)
-        self._decode_into(frame, out)
-        return out
+        zstd_decompress_into(frame, out)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(level={self.level}, chunk_bytes={self.chunk_bytes})"
@@ -276,7 +265,7 @@ class ZstdPlanesCodec(ZstdCodec):
     """
 
     name = "zstd-planes"
-    _footer_magic = _PLANES_FOOTER_MAGIC
+    footer_magic = PLANES_FOOTER_MAGIC
 
     def __init__(self, level: int = 1, *, chunk_bytes: int = PLANES_CHUNK_BYTES, **options: Any) -> None:
         super().__init__(level, chunk_bytes=chunk_bytes, **options)
@@ -285,10 +274,10 @@ class ZstdPlanesCodec(ZstdCodec):
         return [_banner_frame()]
 
     def _encode(self, view: memoryview, dtype: torch.dtype | None) -> list[Any]:
-        return kernels.encode_chunk(view, dtype, self.level)
+        return encode_chunk(view, dtype, self.level)
 
-    def _decode_into(self, frame: memoryview, out: np.ndarray) -> None:
-        kernels.decode_chunk_into(frame, out)
+    def decode_into(self, frame: memoryview, out: np.ndarray) -> None:
+        decode_chunk_into(frame, out)
 
 
 _CODECS: dict[str, Callable[..., Codec]] = {"none": NoCodec, "zstd": ZstdCodec, "zstd-planes": ZstdPlanesCodec}
@@ -321,8 +310,6 @@ def decode_bytes(name: str, data: Any) -> bytes | bytearray:
     if codec.name == "none":
         return bytes(data)
     source = memoryview(data).cast("B")
-    from checkpointd.codecs.reader import DecodedReader
-
     with DecodedReader(cast(ZstdCodec, codec), io.BytesIO(b""), source) as stream:  # every codec but "none" is one
         out = bytearray(stream.seek(0, io.SEEK_END))
         stream.seek(0)
@@ -384,7 +371,7 @@ class _ChunkedEncoder:
         while self._inflight:
             self._drain_one()
         self._closed = True
-        _write_all(self._out, memoryview(_seek_table(self._entries, self._codec._footer_magic)))
+        _write_all(self._out, memoryview(seek_table(self._entries, self._codec.footer_magic)))
 
     def _flush_pending(self) -> None:
         if self._pending:
@@ -415,11 +402,6 @@ def _split(view: memoryview, chunk_bytes: int) -> Iterable[memoryview]:
     count = -(-view.nbytes // chunk_bytes)
     step = -(-view.nbytes // (count * 16)) * 16 if count > 1 else view.nbytes
     return (view[start : start + step] for start in range(0, view.nbytes, step))
-
-
-def _seek_table(entries: list[tuple[int, int]], footer_magic: int) -> bytes:
-    body = b"".join(_ENTRY.pack(*e) for e in entries) + _FOOTER.pack(len(entries), 0, footer_magic)
-    return _FRAME_HEADER.pack(_SKIPPABLE_INDEX_MAGIC, len(body)) + body
 
 
 def _banner_frame() -> bytes:

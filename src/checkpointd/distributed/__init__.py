@@ -5,9 +5,12 @@ Modules, in the order a save meets them:
 - ``runtime.py``       DistributedRuntime: what the manager consults at its hook points
 - ``state_dicts.py``   gather / local state dicts (torch.distributed.checkpoint.state_dict), in-place loading,
                        FSDP1 channels_last optimizer-state fix
-- ``sharding.py``      DTensor local blocks <-> (global shape, offsets, placements, mesh) records; resharding
+- ``statecache.py``    sharded-mode state dicts rebuilt from cached plans instead of the full call per save
 - ``coordination.py``  dedicated gloo groups; the commit protocol (rank 0 commits after every rank reports)
-- ``assemble.py``      sharded step layout; ``assemble_full_values`` for ``checkpointd.load``
+
+Shared with restore and ``checkpointd.load``, and so kept below this package: ``format/sharding.py``
+(DTensor local blocks <-> global shape, offsets, placements and mesh records; resharding) and
+``restore/assemble.py`` (the sharded step layout; ``assemble_full_values``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ its own:
 
 The commit protocol of one save, on every rank's committer thread, in step order:
 
-1. ``before_write`` (rank 0 also clears a leftover step directory), then an all-gather of "ready" with
+1. the planning steps (``BackgroundWriter.plan_job``, ``prepare_files``: rank 0 also clears a leftover
+   step directory; a job abandoned on this rank raises its ``failure``), then an all-gather of "ready" with
    each rank's step: nobody writes into the directory before rank 0 cleared it, and ranks that hand
    different steps to the protocol (a rank's ``maybe_save`` raised after the ranks agreed to save) all
    fail that save instead of writing one step's files under another's manifest;
@@ -22,7 +23,7 @@ The commit protocol of one save, on every rank's committer thread, in step order
    manager raises as CheckpointWriteError at the next ``maybe_save``/``wait``/``close``.
 
 A rank that dies or never reaches the protocol makes the others fail at the group timeout
-(``dist_timeout_secs``), not hang forever.
+(``DistributedOptions.timeout_secs``), not hang forever.
 
 Before any of that, on the training thread, :meth:`Coordinator.settle` makes a save that fails on one
 rank (bad state) fail on every rank in the same ``maybe_save`` call: one all-reduce of three integers
@@ -46,7 +47,9 @@ from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointError, StateError
 from checkpointd.format.manifest import Manifest
-from checkpointd.save.writer import BackgroundWriter, SaveJob
+from checkpointd.save import planning
+from checkpointd.save.job import SaveJob
+from checkpointd.save.writer import BackgroundWriter
 
 logger = logging.getLogger("checkpointd")
 
@@ -91,7 +94,7 @@ class Coordinator:
         except RuntimeError as exc:  # gloo timeouts and closed connections (DistError derives from it)
             raise RankFailedError(
                 f"rank {self.rank}: {what} with the other ranks failed: {exc}. A rank died, hangs, or did not call "
-                f"maybe_save/restore with the same steps within dist_timeout_secs={self.timeout_secs:g}") from exc
+                f"maybe_save/restore with the same steps within DistributedOptions.timeout_secs={self.timeout_secs:g}") from exc
 
     def all_gather(self, obj: Any, *, group: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -147,13 +150,15 @@ class DistributedWriter(BackgroundWriter):
 
     Args:
         merge_manifest: rank 0 only: (job, per-rank reports) -> the manifest to write.
+        hooks: ``clear_step_dir``, ``on_commit``, ``after_save`` of :class:`BackgroundWriter`; rank 0 runs
+            ``on_commit`` before the others learn the outcome, the others after it.
     """
 
     def __init__(self, store: Any, codec: Any, coordinator: Coordinator, file_threads: int,
-                 merge_manifest: Callable[[SaveJob, list[dict[str, Any]]], Any]) -> None:
+                 merge_manifest: Callable[[SaveJob, list[dict[str, Any]]], Any], **hooks: Any) -> None:
         self.coord = coordinator
         self.merge_manifest = merge_manifest
-        super().__init__(store, codec, file_threads=file_threads)
+        super().__init__(store, codec, file_threads=file_threads, **hooks)
 
     def abandon(self, step: int, error: BaseException) -> Future:
         """Take part in the commit protocol of ``step`` reporting ``error``; returns that job's future (it fails).
@@ -162,22 +167,20 @@ class DistributedWriter(BackgroundWriter):
         failed, say): the other ranks' save of ``step`` then fails at once, naming this rank and ``error``,
         instead of pairing with this rank's next save (which the step check of the protocol refuses).
         """
-        def fail() -> None:
-            raise error
-
         manifest = Manifest(step=step, time=time.time(), world_size=self.coord.world_size, mode="", codec="",
                             library_version="", torch_version="")
-        return self.submit(SaveJob(step=step, step_dir=layout.step_dir_name(step), files=[], manifest=manifest,
-                                   before_write=fail, after_files=lambda: None))
+        return self.submit(SaveJob(step=step, step_dir=layout.step_dir_name(step), manifest=manifest, failure=error))
 
     def _process(self, job: SaveJob) -> None:
         coord, group = self.coord, self.coord.commit
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:
+            if job.failure is not None:
+                raise job.failure
             self.plan_job(job)
             t0 = time.perf_counter()
-            job.before_write()
+            self.prepare_files(job)
         except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
             error = exc
         job.timings["stage_wait_secs"] = time.perf_counter() - t0
@@ -189,7 +192,7 @@ class DistributedWriter(BackgroundWriter):
         if error is None and all(e is None for _, e in ready):
             error = self.write_files(job)
         else:
-            job.after_files()
+            planning.release_staging(job)
         entries = job.manifest.files
         t2 = time.perf_counter()
         report = {"rank": coord.rank, "error": None if error is None else _describe(error),
@@ -203,8 +206,8 @@ class DistributedWriter(BackgroundWriter):
         job.timings["commit_secs"] = time.perf_counter() - t2
         if not outcome["ok"]:
             raise RankFailedError(f"step {job.step} was not committed: {outcome['error']}") from error
-        if not coord.is_rank0 and job.after_commit is not None:
-            job.after_commit(job)
+        if not coord.is_rank0 and self.on_commit is not None:
+            self.on_commit(job)
 
     def _commit_on_rank0(self, job: SaveJob, reports: list[dict[str, Any]], failures: list[str]) -> dict[str, Any]:
         if failures:
@@ -218,9 +221,9 @@ class DistributedWriter(BackgroundWriter):
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, "error": f"rank 0 could not commit: {_describe(exc)}"}
         t = time.perf_counter()
-        if job.after_commit is not None:
+        if self.on_commit is not None:
             try:
-                job.after_commit(job)  # retention, before the others learn the outcome
+                self.on_commit(job)  # retention, before the others learn the outcome
             except Exception as exc:  # noqa: BLE001 - a committed save stays committed
                 logger.warning("checkpointd: after-commit of step %d failed: %s", job.step, exc)
         job.timings["retention_secs"] = time.perf_counter() - t

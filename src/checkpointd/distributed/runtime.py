@@ -38,7 +38,7 @@ from checkpointd.format.manifest import EntryLocation, FileEntry, Manifest
 from checkpointd.rng import restore_rng
 from checkpointd.state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
 from checkpointd.storage.store import Store
-from checkpointd.save.writer import SaveJob
+from checkpointd.save.job import SaveJob
 from checkpointd.restore.assemble import shard_file_name, sharded_values
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
 from checkpointd.format.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
@@ -100,8 +100,9 @@ class DistributedRuntime:
     def is_rank0(self) -> bool:
         return self.rank == 0
 
-    def make_writer(self, store: Store, codec: Any, file_threads: int) -> DistributedWriter:
-        self.writer = DistributedWriter(store, codec, self.coord, file_threads, self.merge_manifest)
+    def make_writer(self, store: Store, codec: Any, file_threads: int, **hooks: Any) -> DistributedWriter:
+        """This rank's committer: a :class:`DistributedWriter` with the writer ``hooks`` (see ``BackgroundWriter``)."""
+        self.writer = DistributedWriter(store, codec, self.coord, file_threads, self.merge_manifest, **hooks)
         return self.writer
 
     def abandon(self, step: int, error: BaseException) -> Future:
@@ -355,7 +356,7 @@ class DistributedRuntime:
            from the manifest's block records and the live objects' placements;
         3. the rank files holding those blocks, each verified; a needed block missing from its file is
            CorruptCheckpointError here, before the ranks agree, so nothing is applied.
-        When no plan can be made, every rank file is read (the behaviour before plans existed).
+        When no plan can be made, every rank file is read.
         """
         info = manifest.extra.get("sharded")
         if not isinstance(info, dict) or not isinstance(info.get("rank_files"), dict):

@@ -34,7 +34,6 @@ full path initialises it).
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -46,8 +45,9 @@ from checkpointd.distributed.state_dicts import is_fsdp1
 
 logger = logging.getLogger("checkpointd")
 
-VERIFY_ENV = "CHECKPOINTD_VERIFY_STATE_CACHE"
-"""Set to 1 to also run the full path on every cache hit and raise if the trees differ (tests, debugging)."""
+VERIFY_PLANS = False
+"""True: also run the full path on every cache hit and raise if the trees differ (tests, debugging).
+Read when a manager's runtime is built: set it before constructing the CheckpointManager."""
 
 
 class LocalStates:
@@ -59,7 +59,7 @@ class LocalStates:
 
     def __init__(self, entries: list[Any], owner: dict[str, torch.nn.Module | None]) -> None:
         self.enabled = True
-        self.verify = os.environ.get(VERIFY_ENV, "").strip() not in ("", "0")
+        self.verify = VERIFY_PLANS
         self.counts: dict[str, list[int]] = {}  # name -> [hits, misses] (tests, debugging)
         self._token: object = None
         self._modules: dict[int, ModuleStateCache] = {}

@@ -292,7 +292,7 @@ def _refusal_error(model_pt: BinaryIO, torch_message: str) -> CheckpointError:
     The pickle is only parsed (``pickletools``), never run.
     """
     try:
-        names = _referenced_globals(_pickle_bytes(model_pt))
+        names = pickle_globals(_pickle_bytes(model_pt))
     except (ValueError, EOFError, zipfile.BadZipFile) as exc:
         return CorruptCheckpointError(f"model.pt of the .mdlus file is not a valid torch.save file: {exc}")
     found = re.search(r"GLOBAL (\S+)", torch_message)
@@ -306,7 +306,7 @@ def _refusal_error(model_pt: BinaryIO, torch_message: str) -> CheckpointError:
 
 
 def _pickle_bytes(model_pt: BinaryIO) -> bytes:
-    """The ``data.pkl`` record of a ``torch.save`` zip, or the raw bytes of a legacy (non-zip) file."""
+    """The ``data.pkl`` record of a ``torch.save`` zip, or the raw bytes of a pre-zip ``torch.save`` file (not a zip)."""
     model_pt.seek(0)
     if not zipfile.is_zipfile(model_pt):
         model_pt.seek(0)
@@ -318,8 +318,8 @@ def _pickle_bytes(model_pt: BinaryIO) -> bytes:
         return zf.read(name)
 
 
-def _referenced_globals(data: bytes) -> list[str]:
-    """Names of the globals a pickle references (``module.name``), parsed without running it."""
+def pickle_globals(data: bytes) -> list[str]:
+    """Names of the globals a pickle references (``module.name``), parsed with ``pickletools``, never run."""
     names: list[str] = []
     strings: list[str] = []
     for opcode, arg, _ in pickletools.genops(data):
@@ -403,6 +403,7 @@ __all__ = [
     "load_mdlus_state_dict",
     "mdlus_json_members",
     "open_mdlus_model_pt",
+    "pickle_globals",
     "read_mdlus_json",
     "unwrap_module",
     "write_mdlus",

@@ -74,7 +74,7 @@ class ReductionCache:
     """The pickle reduction of each staging tensor, kept from one save to the next.
 
     Why: a save pickles the same staging buffers every time (their layout never changes), and building
-    a tensor's reduction (its storage, offset, size, stride, the record holder) was most of the Python
+    a tensor's reduction (its storage, offset, size, stride, the record holder) is most of the Python
     that pickling holds the GIL for: ~20 us a tensor, which a launch-bound training loop feels on the
     step after each save. The record's byte view, which the file layout reads next, is kept with it. A
     hit costs a dictionary lookup and a few attribute reads. Entries are keyed
@@ -176,8 +176,8 @@ def plan_pt(obj: Any, *, allow_placeholders: bool = False, cache: ReductionCache
                     views[key] = hit.view
                 return _reduction(hit.v3, _StorageRef(("storage", hit.storage_type, key, "cpu", hit.pid_size)), hit.layout, hit.dtype)
             # Fast path for plain dense CPU tensors: the same reduction Tensor.__reduce_ex__ produces,
-            # without its Python-heavy generic path (it held the GIL ~0.1 ms per tensor, which the
-            # training thread felt while a large optimizer state was being pickled in the background).
+            # without its Python-heavy generic path (it holds the GIL ~0.1 ms per tensor, which the
+            # training thread feels while a large optimizer state is pickled in the background).
             if o.device.type not in devices or o.layout != torch.strided or o.is_conj() or o.is_neg():
                 return NotImplemented
             untyped = o.untyped_storage()

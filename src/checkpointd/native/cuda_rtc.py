@@ -1,14 +1,13 @@
 """CUDA C kernels compiled at run time (NVRTC), cached on disk per machine, launched through the driver.
 
 Why not Triton: a restore that verifies on the GPU needs one small kernel (:mod:`checkpointd.restore.device_crc`),
-and Triton's first use in a process cost 0.54-0.56 s with its disk cache warm and 1.19 s cold, plus
-0.15-0.26 s to import (H200, RESULTS.md session 29): more than the kernel saves a resumed job's
-restore, the only one in its process. NVRTC ships with every CUDA build of torch (``libnvrtc``, which
-``torch.cuda`` itself uses for jiterator and ``_compile_kernel``) and compiles a kernel this size
-straight to the device's machine code (a cubin); the cubin is kept in checkpointd's private cache folder
-(:mod:`checkpointd.native.kernel_cache`, ``$CHECKPOINTD_CACHE_DIR``), so later processes only load it
-(``cuModuleLoadData``, ~1 ms). Launches go through the driver (``cuLaunchKernel``) on
-torch's current stream, in torch's primary context.
+and Triton's first use in a process costs 0.54-0.56 s with its disk cache warm and 1.19 s cold, plus
+0.15-0.26 s to import (H200): more than the kernel saves a resumed job's restore, the only one in its
+process. NVRTC ships with every CUDA build of torch (``libnvrtc``, which ``torch.cuda`` itself uses for
+jiterator and ``_compile_kernel``) and compiles a kernel this size straight to the device's machine code
+(a cubin); the cubin is kept in checkpointd's private cache folder (:mod:`checkpointd.native.kernel_cache`,
+:func:`checkpointd.options.cache_dir`), so later processes only load it (``cuModuleLoadData``, ~1 ms).
+Launches go through the driver (``cuLaunchKernel``) on torch's current stream, in torch's primary context.
 
 Anything missing (a CPU-only torch, no ``libnvrtc``, an architecture NVRTC does not know, a compile
 error) raises :class:`KernelUnavailable`; callers fall back to work that needs no kernel.

@@ -1,7 +1,8 @@
-"""Where checkpointd keeps code it builds on first use (C plane kernels, CUDA cubins): private folders only.
+"""Where checkpointd keeps the CUDA kernels it compiles with NVRTC (:mod:`checkpointd.native.cuda_rtc`):
+private folders only.
 
-Why a shared rule: both kinds are loaded and run in the training process, so a file someone else could
-have written must never be used. The folder is ``$CHECKPOINTD_CACHE_DIR`` (default
+Why: a cached cubin is loaded and run in the training process, so a file someone else could have written
+must never be used. The folder is :func:`checkpointd.options.cache_dir` (default
 ``$XDG_CACHE_HOME/checkpointd`` or ``~/.cache/checkpointd``), else a per-user folder in the temporary
 directory; a folder or file owned by another user, or writable by group or others, is refused.
 """
@@ -13,16 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-CACHE_DIR_ENV = "CHECKPOINTD_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "checkpointd"
-
+from checkpointd import options
 
 def check_private(path: Path) -> None:
     """Refuse code that someone else could have put there: owned by another user, or writable by others."""
@@ -35,7 +27,7 @@ def private_folders() -> Iterator[Path]:
     """The cache folder, then the per-user temporary one, each made (mode 0700) and checked before it is
     yielded; a folder that cannot be made or is not private is skipped."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"checkpointd-{uid}"):
+    for folder in (options.cache_dir(), Path(tempfile.gettempdir()) / f"checkpointd-{uid}"):
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             check_private(folder)
@@ -44,4 +36,4 @@ def private_folders() -> Iterator[Path]:
         yield folder
 
 
-__all__ = ["CACHE_DIR_ENV", "cache_dir", "check_private", "private_folders"]
+__all__ = ["check_private", "private_folders"]

@@ -1,33 +1,32 @@
-"""Optional native kernels for the byte-plane codec: built on first use, NumPy when they cannot be.
+"""Optional native kernels for the byte-plane codec: the C library built at install, NumPy without it.
 
 Why: decoding a ``zstd-planes`` chunk in NumPy takes about ten passes over it (unpack the nibble
 codes, add their base, put escapes back, widen, shift, OR the planes together, rotate back), each a
-call that drops and retakes the GIL. On a 16-core host 16 codec threads then decoded bf16 at
-5.4-8.2 GB/s, below plain zstd (7.6) although the planes give zstd less to do. ``planes_native.c``
-does the same work in one pass over cache-sized blocks, called through :mod:`ctypes` (which releases
-the GIL for the call). Its results are the same bytes; the tests compare both implementations.
+call that drops and retakes the GIL. On a 16-core host 16 codec threads decode bf16 at 5.4-8.2 GB/s
+that way, below plain zstd (7.6) although the planes give zstd less to do. ``planes_native.c`` does
+the same work in one pass over cache-sized blocks, called through :mod:`ctypes` (which releases the
+GIL for the call). Its results are the same bytes; the tests compare both implementations.
 
-How: the C source ships in the package; the first call compiles it (:mod:`checkpointd.native.build`:
-the system C compiler, once per machine, into a private cache folder). Without a compiler, or with
-``CHECKPOINTD_NATIVE=0``, the NumPy kernels run (logged once): slower, same bytes.
+How: ``pip install`` compiles ``planes_native.c`` (an optional extension of ``setup.py``) and
+:mod:`checkpointd.native.loader` loads it. Where it is not built, or native code is turned off
+(:func:`checkpointd.options.native_enabled`), the NumPy kernels run (logged once): slower, same bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from checkpointd.native import build as native_build
+from checkpointd.native.loader import NativeLibrary
 
-NATIVE_ENV = native_build.NATIVE_ENV
-_SOURCE = Path(__file__).with_name("planes_native.c")
-_ABI = 1  # cpd_abi() of the source this module expects
-_FLAGS = ["-O3", "-std=gnu99", "-shared", "-fPIC"]
+ABI = 1
+"""``cpd_abi()`` of the C source this module expects."""
 
-def _declare(lib: Any) -> None:
+
+def declare(lib: Any) -> None:
+    """Declare the ctypes signatures of the library's functions."""
     i64, i32 = ctypes.c_int64, ctypes.c_int32
     lib.cpd_decode_planes.restype = i64
     lib.cpd_decode_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -38,21 +37,21 @@ def _declare(lib: Any) -> None:
     lib.cpd_pack_nibbles.argtypes = [ctypes.c_void_p, i64, i32, ctypes.c_void_p, i64]
 
 
-_LIBRARY = native_build.NativeLibrary(_SOURCE, "planes", _FLAGS, ("cpd_abi", _ABI), _declare, "native plane kernels",
-                                      "zstd-planes uses NumPy (same files, about half the speed)")
+LIBRARY = NativeLibrary("planes_native", ("cpd_abi", ABI), declare, "native plane kernels",
+                        "zstd-planes uses NumPy (same files, about half the speed)")
+"""The built ``planes_native.c``."""
 
-
-library = _LIBRARY.get
-"""The loaded library, or None (NumPy kernels); built on the first call."""
-reset = _LIBRARY.reset
+library = LIBRARY.get
+"""The loaded library, or None (NumPy kernels); loaded on the first call."""
+reset = LIBRARY.reset
 """Forget the loaded state so the next :func:`library` call decides again (tests)."""
 
 
-__getattr__ = _LIBRARY.module_getattr(__name__)
+__getattr__ = LIBRARY.module_getattr(__name__)
 """``why_not``: why the native kernels are not in use ("" when they are, or before the first try)."""
 
 
-def _address(buf: Any) -> int:
+def address(buf: Any) -> int:
     """Address of a contiguous buffer (NumPy array, bytes, memoryview, mmap slice), read-only ones too."""
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     return int(arr.ctypes.data)
@@ -67,10 +66,10 @@ def decode_planes(lib: Any, planes: list[tuple[int, Any, int, Any, int]], count:
     number ``n_escapes``. Every buffer must stay alive during the call (the caller holds them).
     """
     n = len(planes)
-    data = (ctypes.c_void_p * n)(*[_address(p[1]) for p in planes])
+    data = (ctypes.c_void_p * n)(*[address(p[1]) for p in planes])
     modes = (ctypes.c_int32 * n)(*[p[0] for p in planes])
     bases = (ctypes.c_int32 * n)(*[p[2] for p in planes])
-    escapes = (ctypes.c_void_p * n)(*[_address(p[3]) if p[4] else 0 for p in planes])
+    escapes = (ctypes.c_void_p * n)(*[address(p[3]) if p[4] else 0 for p in planes])
     counts = (ctypes.c_int64 * n)(*[p[4] for p in planes])
     assert out.flags.c_contiguous and out.nbytes >= count * n
     result = lib.cpd_decode_planes(n, count, data, modes, bases, escapes, counts, int(rotated), out.ctypes.data)
@@ -82,7 +81,7 @@ def decode_planes(lib: Any, planes: list[tuple[int, Any, int, Any, int]], count:
 def split_planes(lib: Any, view: Any, itemsize: int, count: int, planes: np.ndarray) -> None:
     """Rotated byte planes of ``count`` elements of ``view`` into ``planes`` (shape ``(itemsize, >= count)``)."""
     rows = (ctypes.c_void_p * itemsize)(*[int(planes[j].ctypes.data) for j in range(itemsize)])
-    if lib.cpd_split_planes(itemsize, count, _address(view), rows) < 0:
+    if lib.cpd_split_planes(itemsize, count, address(view), rows) < 0:
         raise ValueError(f"cpd_split_planes refused itemsize {itemsize}")
 
 

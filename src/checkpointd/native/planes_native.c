@@ -1,9 +1,9 @@
 /* Byte-plane kernels of checkpointd's "zstd-planes" codec, one pass each.
  *
- * The NumPy kernels in compress_planes.py make several passes over a chunk (widen, shift, OR,
+ * The NumPy kernels in codecs/planes.py make several passes over a chunk (widen, shift, OR,
  * rotate, nibble unpack, escape fix-up), each a separate call that drops and retakes the GIL. These
  * do the same work in one pass over cache-sized blocks and are called through ctypes, which releases
- * the GIL for the whole call. The formats are exactly those of compress_planes.py: both sides must
+ * the GIL for the whole call. The formats are exactly those of codecs/planes.py: both sides must
  * produce and accept the same bytes (tests compare them).
  *
  * Planes format: each element (2, 4 or 8 bytes, little-endian) is rotated left by one bit, then byte j
@@ -11,8 +11,8 @@
  * code k in the high nibble of byte k for k < h = ceil(n / 2), code h + k in its low nibble; the
  * escaped values follow, in element order.
  *
- * Built by planes_native.py with the system C compiler (-O3, no -march: the result may be cached on a
- * file system shared by different hosts). Plain C99, no Python headers.
+ * Built by `pip install` as an optional extension of setup.py (-O3, no -march: a wheel may run on
+ * other hosts) and loaded by native/planes.py with ctypes. Plain C99, no Python headers.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /* Host -> device upload of byte ranges through pinned slots, on native threads, without the GIL.
  *
- * Why: the Python bounce (bulkcopy._bounced_h2d) takes and drops the GIL several times a 16 MiB chunk
+ * Why: the Python bounce (restore/bulkcopy.py) takes and drops the GIL several times a 16 MiB chunk
  * (the host copy, the DMA's launch, the event). A restore that parses one file's pickle while another
  * file uploads then slows the upload down by the parse's length: each retake of the GIL waits for the
  * parsing thread's switch interval. Here the whole upload is one ctypes call (which releases the GIL):
@@ -11,8 +11,9 @@
  * first), and every DMA has finished when the call returns.
  *
  * The CUDA driver's functions come in as pointers (struct cpd_cuda, filled from libcuda by
- * upload_native.py): no CUDA headers or libraries are needed to build this, and tests can pass fakes.
- * Built by upload_native.py with the system C compiler (-O3, -pthread); plain C11.
+ * native/upload.py): no CUDA headers or libraries are needed to build this, and tests can pass fakes.
+ * Built by `pip install` as an optional extension of setup.py (-O3, -pthread) and loaded by
+ * native/upload.py with ctypes; plain C11, no Python headers.
  */
 #include <pthread.h>
 #include <stdatomic.h>

@@ -12,16 +12,15 @@ restore. Here:
   per-parameter state tensor placed on the device *before* torch sees it: the tensor torch would make
   (``Optimizer._process_value_according_to_param_policy``: floating state in the parameter's dtype on its
   device, ``step`` float32 on the device for fused/capturable and left alone otherwise; then
-  :func:`checkpointd.restore.step.match_optimizer_state_layout`'s strides) is the live optimizer's existing
+  :func:`checkpointd.restore.per_entry.match_optimizer_state_layout`'s strides) is the live optimizer's existing
   state tensor when that already has exactly this shape, dtype, device and strides (copied in place),
   else a new one allocated with them. Torch's own ``load_state_dict`` then runs on those tensors (its
   ``.to()`` is a no-op for them), so param groups, hooks and ``__setstate__`` stay torch's;
 - all those copies go through :func:`checkpointd.restore.bulkcopy.copy_pairs` together.
 
 Everything else (schedulers, plain data, custom modules/optimizers, unusual tensors) takes
-:func:`checkpointd.restore.step.apply_entry`, the per-entry path. Planning touches nothing; live tensors
-change only once every entry has been planned, so an entry that cannot be planned changes nothing.
-``CHECKPOINTD_RESTORE_H2D=legacy`` turns the whole bulk apply off (benchmarks compare).
+:func:`checkpointd.restore.per_entry.apply_entry`, the per-entry path. Planning touches nothing; live
+tensors change only once every entry has been planned, so an entry that cannot be planned changes nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from checkpointd.restore import bulkcopy
+from checkpointd.restore.per_entry import apply_entry, match_optimizer_state_layout
 from checkpointd.state import Entry, unwrap_module
 
 logger = logging.getLogger("checkpointd")
@@ -46,13 +46,6 @@ default: on CPU, torch's ``.to()`` keeps the stored tensor itself, which costs n
 
 def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
     """Load ``values[e.name]`` into every entry, in place (after ``check_compatible``)."""
-    from checkpointd.restore.step import apply_entry
-
-    strategy = bulkcopy.h2d_strategy()
-    if strategy == "legacy":
-        for e in entries:
-            apply_entry(e, values[e.name])
-        return
     pairs: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     finish: list[Callable[[], None]] = []
     for e in entries:
@@ -69,7 +62,7 @@ def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
             logger.debug("state[%r]: per-entry restore (%s)", e.name, why)
             step = None
         finish.append(step if step is not None else functools.partial(apply_entry, e, value))
-    bulkcopy.copy_pairs(list(pairs.values()), strategy)
+    bulkcopy.copy_pairs(list(pairs.values()))
     for fn in finish:
         fn()
 
@@ -161,8 +154,6 @@ def _plan_tensor(obj: torch.Tensor, value: Any, pairs: dict) -> Callable[[], Non
 
 def _plan_optimizer(opt: torch.optim.Optimizer, value: Any, pairs: dict) -> Callable[[], None]:
     """Place every stored per-parameter state tensor where torch would put it; torch loads the rest."""
-    from checkpointd.restore.step import match_optimizer_state_layout
-
     if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         raise _NotPlain("load_state_dict is overridden")
     if getattr(opt, "_optimizer_load_state_dict_pre_hooks", None):
@@ -238,11 +229,12 @@ def _place_state(p: torch.Tensor, v: torch.Tensor, key: Any, fused_or_capturable
         if not bulkcopy.is_dense(p):
             return None
         strides = p.stride()
-    old = live_state.get(key) if isinstance(live_state, Mapping) else None
-    if (_plain_tensor(old) and old.shape == v.shape and old.dtype == dtype and old.device == device
-            and old.stride() == strides and not old.requires_grad and bulkcopy.is_dense(old) and id(old) not in reused):
-        reused.add(id(old))
-        return old, True
+    existing = live_state.get(key) if isinstance(live_state, Mapping) else None
+    if (_plain_tensor(existing) and existing.shape == v.shape and existing.dtype == dtype and existing.device == device
+            and existing.stride() == strides and not existing.requires_grad and bulkcopy.is_dense(existing)
+            and id(existing) not in reused):
+        reused.add(id(existing))
+        return existing, True
     return torch.empty_strided(tuple(v.shape), strides, dtype=dtype, device=device), True
 
 

@@ -1,10 +1,10 @@
 """CRC-32 (zlib's) of bytes that are already on the GPU: a restore verifies a file where it is going.
 
-Why: a verify-first restore used to pass over host memory twice, one pass after the other: the
-checksum of each mapped file on the CPU (page population ~23 ms + CRC-32 ~47 ms for 4.83 GB on a
-16-core H200 host), then the copy into pinned chunks and their DMA (~90 ms). Uploading the file first
-and checksumming the upload on the GPU drops the CPU pass: the same 4.83 GB take 3.3 ms on an H200
-(RESULTS.md, session 30), and the bytes checked are exactly the bytes the live tensors are filled from.
+Why: a verify-first restore that checksums on the host passes over host memory twice, one pass after
+the other: the checksum of each mapped file on the CPU (page population ~23 ms + CRC-32 ~47 ms for
+4.83 GB on a 16-core H200 host), then the copy into pinned chunks and their DMA (~90 ms). Uploading the
+file first and checksumming the upload on the GPU drops the CPU pass: the same 4.83 GB take 3.3 ms on an
+H200, and the bytes checked are exactly the bytes the live tensors are filled from.
 
 How: the bytes are cut into lanes of :data:`LANE_BYTES`; one GPU thread computes a lane's CRC from a
 zero state (slice-by-4 tables in shared memory, 16-byte loads: ``crc32_lanes`` in :data:`KERNEL_SOURCE`,
@@ -12,8 +12,8 @@ built by :mod:`checkpointd.native.cuda_rtc`; torch ops for the CPU tests and una
 CRC-32 is linear over GF(2): with the lane CRCs ``c(A)``, ``c(B)`` of adjacent ranges, ``c(A + B) =
 shift_len(B)(c(A)) ^ c(B)``, where the shift (feeding zero bytes) is a fixed 32x32 bit matrix applied as
 four 256-entry tables. Zero lanes are prepended up to a power of two (leading zero bytes leave a
-zero-started CRC unchanged), so the lanes are combined pairwise in ``log2(lanes)`` rounds of one table
-set each, on the GPU (``crc32_combine_round``, one launch a round). zlib's conditioning (start at
+zero-started CRC unchanged), so the lanes are combined pairwise in ``log2(lanes)`` levels of one table
+set each, on the GPU (``crc32_combine_level``, one launch a level). zlib's conditioning (start at
 ``0xFFFFFFFF``, invert at the end) and the bytes past the last whole lane (read on the host) are applied
 last, on the CPU.
 
@@ -22,6 +22,7 @@ Used by restores that verify on the GPU (:mod:`checkpointd.restore.device_image`
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -30,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpointd.codecs.crc import _multmodp, _x2nmodp, crc32, crc32_combine, crc32_combine_py
+from checkpointd.codecs.crc import crc32, crc32_combine, crc32_combine_py
+from checkpointd.native import cuda_rtc
 
 logger = logging.getLogger("checkpointd")
 
 LANE_BYTES = 4096
-"""Bytes a GPU thread checksums; 4.83 GB make 1.18M lanes, 21 combining rounds."""
+"""Bytes a GPU thread checksums; 4.83 GB make 1.18M lanes, 21 combining levels."""
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 
 
@@ -65,9 +67,9 @@ def _apply(images: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def _zero_bytes_map(nbytes: int) -> np.ndarray:
     """Images of the 32 unit vectors under "feed ``nbytes`` zero bytes": multiplication by ``x^(8 nbytes)``
-    modulo the polynomial, as :func:`checkpointd.codecs.crc.crc32_combine_py` shifts a CRC."""
-    power = _x2nmodp(nbytes, 3)
-    return np.array([_multmodp(power, 1 << j) for j in range(32)], dtype=np.uint32)
+    modulo the polynomial, which is how :func:`checkpointd.codecs.crc.crc32_combine_py` shifts its first
+    CRC (with a second CRC of 0 it is that shift alone)."""
+    return np.array([crc32_combine_py(1 << j, 0, nbytes) for j in range(32)], dtype=np.uint32)
 
 
 def _byte_tables(images: np.ndarray) -> np.ndarray:
@@ -82,8 +84,8 @@ def _byte_tables(images: np.ndarray) -> np.ndarray:
 _tables_lock = threading.Lock()
 
 
-def _round_tables(levels: int) -> np.ndarray:
-    """``[levels, 4, 256]`` uint32: round ``k`` shifts past ``LANE_BYTES * 2**k`` zero bytes."""
+def _level_tables(levels: int) -> np.ndarray:
+    """``[levels, 4, 256]`` uint32: level ``k`` shifts past ``LANE_BYTES * 2**k`` zero bytes."""
     images = _zero_bytes_map(LANE_BYTES)
     out = np.zeros((levels, 4, 256), dtype=np.uint32)
     for k in range(levels):
@@ -92,23 +94,23 @@ def _round_tables(levels: int) -> np.ndarray:
     return out
 
 
-ROUNDS_BUILT = 24
-"""Combining rounds whose tables are built at the first use on a device, whatever the file: every file
-up to ``2**24`` lanes (64 GiB) then slices them (a round's table depends on the round alone). Why: a
-table per file size made each new size cost a process's first restore its own NumPy build, after that
-file's upload: in a fresh process on an H200 host (4.83 GB in two files) the second file's CRC took
-6.7-7.0 ms that way, 2.5 ms with the tables built once (RESULTS.md, session 31)."""
+LEVELS_BUILT = 24
+"""Combining levels whose tables are built at the first use on a device, whatever the file: every file
+up to ``2**24`` lanes (64 GiB) then slices them (a level's table depends on the level alone). Why: a
+table per file size would cost each new size its own NumPy build, after that file's upload: in a fresh
+process on an H200 host (4.83 GB in two files) the second file's CRC takes 6.7-7.0 ms that way, 2.5 ms
+with the tables built once."""
 
 
 def _combine_tables(levels: int, device: torch.device) -> torch.Tensor:
-    """The first ``levels`` rounds' tables as int64 on ``device`` (the torch-ops path), sliced from one
-    build of :data:`ROUNDS_BUILT` rounds as the CUDA path's are (:func:`_tables_int32`)."""
-    return _combine_tables_built(max(levels, ROUNDS_BUILT), device)[:levels]
+    """The first ``levels`` levels' tables as int64 on ``device`` (the torch-ops path), sliced from one
+    build of :data:`LEVELS_BUILT` levels as the CUDA path's are (:func:`_tables_int32`)."""
+    return _combine_tables_built(max(levels, LEVELS_BUILT), device)[:levels]
 
 
 @functools.lru_cache(maxsize=None)
 def _combine_tables_built(levels: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(_round_tables(levels).astype(np.int64)).to(device)
+    return torch.from_numpy(_level_tables(levels).astype(np.int64)).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,8 +159,8 @@ extern "C" __global__ void crc32_lanes(const u4* __restrict__ data, unsigned int
     out[lane] = c;
 }
 
-/* out[i] = shift(in[2i]) ^ in[2i + 1]: tab holds this round's shift past in[2i + 1]'s bytes as four byte tables */
-extern "C" __global__ void crc32_combine_round(const unsigned int* __restrict__ in, unsigned int* __restrict__ out,
+/* out[i] = shift(in[2i]) ^ in[2i + 1]: tab holds this level's shift past in[2i + 1]'s bytes as four byte tables */
+extern "C" __global__ void crc32_combine_level(const unsigned int* __restrict__ in, unsigned int* __restrict__ out,
                                                const unsigned int* __restrict__ tab, long long n_out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_out) return;
@@ -174,16 +176,12 @@ _unavailable_lock = threading.Lock()
 
 
 def _cuda_kernels(device: torch.device) -> dict[str, Any]:
-    from checkpointd.native import cuda_rtc
-
-    return cuda_rtc.kernels(KERNEL_SOURCE, ["crc32_lanes", "crc32_combine_round"], device)
+    return cuda_rtc.kernels(KERNEL_SOURCE, ["crc32_lanes", "crc32_combine_level"], device)
 
 
 def kernel_available(device: torch.device) -> bool:
     """Whether the CUDA kernels can run on ``device`` (built or loaded on first call; a failure is
     remembered, and logged once)."""
-    from checkpointd.native.cuda_rtc import KernelUnavailable
-
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -192,7 +190,7 @@ def kernel_available(device: torch.device) -> bool:
             return False
     try:
         _cuda_kernels(torch.device("cuda", index))
-    except KernelUnavailable as exc:
+    except cuda_rtc.KernelUnavailable as exc:
         with _unavailable_lock:
             _unavailable[index] = str(exc)
         logger.info("no CRC-32 kernel for cuda:%d (%s)", index, exc)
@@ -201,21 +199,19 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slice tables ``[1024]`` and the combining rounds' tables ``[levels, 1024]`` as int32 on ``device``."""
-    slice_tab, rounds = _tables_int32_built(max(levels, ROUNDS_BUILT), device)
-    return slice_tab, rounds[:levels]
+    """The slice tables ``[1024]`` and the combining levels' tables ``[levels, 1024]`` as int32 on ``device``."""
+    slice_tab, combine = _tables_int32_built(max(levels, LEVELS_BUILT), device)
+    return slice_tab, combine[:levels]
 
 
 @functools.lru_cache(maxsize=None)
 def _tables_int32_built(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.from_numpy(SLICE_TABLES.reshape(-1).view(np.int32).copy()).to(device),
-            torch.from_numpy(_round_tables(levels).reshape(levels, 1024).view(np.int32).copy()).to(device))
+            torch.from_numpy(_level_tables(levels).reshape(levels, 1024).view(np.int32).copy()).to(device))
 
 
 def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
     """The zero-started CRC of ``body`` (``lanes`` whole lanes, 16-byte aligned) by the CUDA kernels."""
-    import ctypes
-
     k = _cuda_kernels(body.device)
     levels = (lanes - 1).bit_length()
     with _tables_lock:
@@ -228,13 +224,13 @@ def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
     for r in range(levels):
         n_out = c.numel() // 2
         nxt = torch.empty(n_out, dtype=torch.int32, device=body.device)
-        k["crc32_combine_round"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
+        k["crc32_combine_level"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
         c = nxt
     return int(c.item()) & 0xFFFFFFFF
 
 
 def _raw_torch(words: torch.Tensor, lanes: int) -> int:
-    """The same with torch ops (CPU tests, unaligned buffers): lanes, then the combining rounds."""
+    """The same with torch ops (CPU tests, unaligned buffers): lanes, then the combining levels."""
     c = _lanes_torch(words)
     levels = (lanes - 1).bit_length()
     if (1 << levels) != lanes:

@@ -1,50 +1,49 @@
 """Verify on the GPU: a mapped file is uploaded whole to a device image and checksummed there.
 
 Why: a verify-first restore (no byte reaches a live tensor before every file of the step matched its
-manifest checksum) passed over host memory twice, one pass after the other: the checksum of each file
-on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200 host), then the copy into
-pinned chunks and their DMA into the live tensors (~90 ms). Here the copy comes first, into a private
-GPU buffer (the file's *image*, through the pinned bounce chunks of :mod:`checkpointd.restore.bulkcopy`, whose
-copy threads fault the mapping's pages in as they read), and the checksum is computed on the image
-(:mod:`checkpointd.restore.device_crc`, 3.3 ms for 4.83 GB on an H200). The upload runs on native threads
-holding no GIL where the C compiler built :mod:`checkpointd.native.upload` (49 GB/s against 35 through
-the Python bounce; the files' parses run beside it: RESULTS.md, session 34). The image is registered only
-once the file's checksum matched; the apply then fills the live tensors from it, device to device
-(``copy_pairs``, ~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
-exactly the bytes applied. Measured: RESULTS.md, sessions 29-30.
+manifest checksum) checksumming on the host passes over host memory twice, one pass after the other:
+the checksum of each file on the CPU (page population + CRC-32: ~70 ms for 4.83 GB on a 16-core H200
+host), then the copy into pinned chunks and their DMA into the live tensors (~90 ms). Here the copy
+comes first, into a private GPU buffer (the file's *image*, through the pinned bounce chunks of
+:mod:`checkpointd.restore.bounce`, whose copy threads fault the mapping's pages in as they read), and the
+checksum is computed on the image (:mod:`checkpointd.restore.device_crc`, 3.3 ms for 4.83 GB on an
+H200). The upload runs on native threads holding no GIL where :mod:`checkpointd.native.upload` loads
+(49 GB/s against 35 through the Python bounce; the files' parses run beside it). The image is
+registered only once the file's checksum matched; the apply then fills the live tensors from it,
+device to device (~2 TB/s), and every image is dropped when the restore ends. The bytes checked are
+exactly the bytes applied.
 
-The default (``CHECKPOINTD_RESTORE_VERIFY=device``; ``host`` checksums on the CPU as before): in a
-single-process restore (:func:`checkpointd.restore.step.restore_in_place`) into live CUDA tensors, for an
-uncompressed mapped file (tmpfs; :func:`checkpointd.restore.fastload.use_mmap`) of at least :data:`MIN_BYTES`,
-when the CRC kernels build or load (:mod:`checkpointd.native.cuda_rtc`: NVRTC, once per machine, ~20 ms; then
-~1 ms from the disk cache) and the GPU has room for the image and as many bytes again (a fresh
-optimizer's state is allocated by the apply) beside :func:`headroom_bytes`. Anywhere else, or when
-anything in the upload or the device checksum fails, the file is checksummed on the host: the bytes
-restored are the same either way, and a copy whose stored bytes lie outside every image (a dtype cast,
-a CPU tensor) takes the host path from the mapping.
+When it applies (the default; :func:`checkpointd.options.restore_verify_on` returning ``host`` turns it
+off): in a single-process restore (:func:`checkpointd.restore.step.restore_in_place`) into live CUDA
+tensors, for an uncompressed mapped file (tmpfs; :func:`checkpointd.restore.fastload.use_mmap`) of at
+least :data:`MIN_BYTES`, when the CRC kernels build or load (:mod:`checkpointd.native.cuda_rtc`: NVRTC,
+once per machine, ~20 ms; then ~1 ms from the disk cache) and the GPU has room for the image and as
+many bytes again (a fresh optimizer's state is allocated by the apply) beside :func:`headroom_bytes`.
+Anywhere else, or when anything in the upload or the device checksum fails, the file is checksummed
+on the host: the bytes restored are the same either way, and a copy whose stored bytes lie outside
+every image (a dtype cast, a CPU tensor) takes the host path from the mapping.
 
-Session 29 built this on a Triton kernel and left it opt-in: Triton's first use cost a process 0.5-1.2 s,
-more than a resumed job's restore (the only one in its process) gained. With the NVRTC kernels (CRC of
-4.83 GB in 3.3 ms; building them 19-28 ms once per machine, loading them ~1 ms) it is the default:
-on H200 hosts (4.83 GB, tmpfs; RESULTS.md, session 30) a restore took 177 ms at best (median 184)
-against 182 (199) on the host in the same run, and a resumed job's restore (a fresh process) 251-276 ms
-against 268-420; on another host 189 against 191 ms warm, 260-339 against 314-395 fresh.
+Measured on H200 hosts (4.83 GB, tmpfs): a restore takes 177 ms at best (median 184) against 182 (199)
+checksummed on the host, and a resumed job's restore (a fresh process) 251-276 ms against 268-420.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from checkpointd import options
+from checkpointd.format.streams import byte_view
+from checkpointd.restore import device_crc
+from checkpointd.restore.bounce import upload_bytes
+
 logger = logging.getLogger("checkpointd")
 
-VERIFY_ENV = "CHECKPOINTD_RESTORE_VERIFY"
 MIN_BYTES = 1 << 20
 """Smaller files are checksummed on the host: the upload's and the kernel's set-up outweigh the CPU pass."""
 HEADROOM_BYTES = 1 << 30
@@ -54,11 +53,13 @@ of the device's memory (the training's first steps after a resume allocate their
 
 
 def mode() -> str:
-    """``device`` (the default) or ``host`` from ``CHECKPOINTD_RESTORE_VERIFY``."""
-    value = os.environ.get(VERIFY_ENV, "device").strip().lower()
-    if value not in ("device", "host"):
-        raise ValueError(f"{VERIFY_ENV}={value!r}: expected 'host' (checksum on the CPU) or 'device' (on the GPU)")
-    return value
+    """``device`` (the default) or ``host``: where restored files are checksummed
+    (:func:`checkpointd.options.restore_verify_on`).
+
+    Raises:
+        ValueError: the setting is neither (the message names it).
+    """
+    return options.restore_verify_on()
 
 
 @dataclass(eq=False)
@@ -120,9 +121,7 @@ def _usable(device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return True  # a CPU "device": the bookkeeping's tests (the checksum then runs as torch ops)
-    from checkpointd.restore.device_crc import kernel_available
-
-    return kernel_available(device)  # built (or loaded from the disk cache) here, once per process
+    return device_crc.kernel_available(device)  # built (or loaded from the disk cache) here, once per process
 
 
 @contextlib.contextmanager
@@ -164,14 +163,9 @@ def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
     data = _allocate(buf)
     if data is None:
         return None
-    from checkpointd.restore import device_crc
-    from checkpointd.format.streams import byte_view
-
     n = data.numel()
     try:
         if data.device.type == "cuda":
-            from checkpointd.restore.bulkcopy import upload_bytes
-
             upload_bytes(data, buf)
         else:  # a CPU "device" (tests)
             data.copy_(buf)
@@ -254,5 +248,5 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     return found, rest
 
 
-__all__ = ["DeviceImage", "VERIFY_ENV", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
+__all__ = ["DeviceImage", "drop_all", "headroom_bytes", "mode", "register", "stats", "take_from_images",
            "target_device", "verify", "verifying_on"]

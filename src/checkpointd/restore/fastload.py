@@ -33,13 +33,14 @@ from typing import Any, Callable, cast
 
 import torch
 
-from checkpointd.storage import pagemem
-from checkpointd.storage import ptlayout
-from checkpointd.codecs.crc import crc32, crc32_combine
 from checkpointd.codecs.checksum import format_crc
+from checkpointd.codecs.compress import get_codec
+from checkpointd.codecs.crc import crc32, crc32_combine
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.storage.localpaths import kind_of
+from checkpointd.format.mdlus import MODEL_MEMBER
 from checkpointd.format.streams import SeekableReader, byte_view
+from checkpointd.storage import pagemem, ptlayout
+from checkpointd.storage.localpaths import kind_of
 
 logger = logging.getLogger("checkpointd")
 
@@ -88,10 +89,9 @@ def _read_task(fd: int, view: memoryview, start: int, stop: int) -> int:
     return crc
 
 
-MMAP_ENV = "CHECKPOINTD_RESTORE_MMAP"
-"""``auto`` (default): map files on tmpfs/ramfs of at least ``MMAP_MIN_BYTES`` instead of reading them
-when this process uses CUDA (:func:`process_uses_cuda`); ``1``: map every local file; ``0``: always read."""
 MMAP_MIN_BYTES = 64 << 20
+"""Files on tmpfs/ramfs at least this big are mapped instead of read when this process uses CUDA
+(:func:`use_mmap`)."""
 _MEMORY_FS = ("tmpfs", "ramfs")
 
 
@@ -121,16 +121,13 @@ def use_mmap(path: str, size: int) -> bool:
     private mapping of a tmpfs file costs neither the zeroing nor the copy; writes (to tensors that
     stay on CPU and view the buffer) go to private copies of the pages, never to the file.
     """
-    mode = os.environ.get(MMAP_ENV, "auto").strip().lower()
-    if mode in ("0", "off", "no", "false") or size == 0:
+    if size == 0:
         return False
-    if mode in ("1", "on", "yes", "true"):
-        return True
-    # auto: only where the values go on to a GPU. On CPU-only runs restored optimizer state views the
+    # Only where the values go on to a GPU. On CPU-only runs restored optimizer state views the
     # buffer; a mapping would keep the file's pages alive (after retention deletes it) beside the
     # private copies that training writes. A process whose state lives on a GPU has brought up CUDA
     # by the time it restores (its tensors were made there); one that trains on the CPU of a CUDA host
-    # has not, and reads (deciding by ``is_available()`` mapped there too).
+    # has not, and reads (deciding by ``is_available()`` would map there too).
     return size >= MMAP_MIN_BYTES and process_uses_cuda() and _fs_type(path) in _MEMORY_FS
 
 
@@ -233,8 +230,6 @@ def read_file_verified(path: str, expected_size: int, where: str,
 
 def decode_to_buffer(codec_name: str, stored: torch.Tensor, native_size: int | None) -> torch.Tensor:
     """Decode a verified compressed file into a fresh native buffer (chunks decode in parallel)."""
-    from checkpointd.codecs.compress import get_codec
-
     view = byte_view(stored)
     # a BufferReader in gives a SeekableReader out (a DecodedReader, or the BufferReader itself)
     with cast(SeekableReader, get_codec(codec_name).open_decoded(BufferReader(view))) as src:
@@ -298,8 +293,6 @@ def stored_member(buf: torch.Tensor, name: str) -> torch.Tensor:
 def load_native_in_place(buf: torch.Tensor, fmt: str) -> Any:
     """Content of a native ``.pt``/``.mdlus`` file held in ``buf``, tensors viewing ``buf``."""
     if fmt == "mdlus":
-        from checkpointd.format.mdlus import MODEL_MEMBER
-
         state = load_pt_in_place(stored_member(buf, MODEL_MEMBER))
         if not isinstance(state, dict):
             raise TypeError("model.pt does not hold a state dict")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import pickle
+import threading
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,16 +19,22 @@ from typing import Any, Mapping
 
 import torch
 
-from checkpointd.restore import device_image
-from checkpointd.format import layout
-from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.codecs.checksum import ChecksumReader
-from checkpointd.errors import CheckpointError, CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
+from checkpointd.codecs.compress import decode_bytes
+from checkpointd.commit import read_committed_manifest
+from checkpointd.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from checkpointd.format import layout
 from checkpointd.format.manifest import FileEntry, Manifest
-from checkpointd.rng import check_rng
-from checkpointd.state import RNG_KEY, Entry, unwrap_module
-from checkpointd.storage.store import Store
+from checkpointd.format.mdlus import load_mdlus_state_dict
+from checkpointd.format.streams import ReadStream, byte_view
+from checkpointd.restore import device_image, fastload
+from checkpointd.restore.apply import apply_entries
+from checkpointd.restore.assemble import assemble_full_values
+from checkpointd.restore.per_entry import apply_entry, check_compatible, match_optimizer_state_layout
 from checkpointd.restore.verify import check_file
+from checkpointd.rng import check_rng
+from checkpointd.state import RNG_KEY, Entry
+from checkpointd.storage.store import Store
 
 logger = logging.getLogger("checkpointd")
 
@@ -50,8 +56,6 @@ def read_verified(store: Store, step_dir: str, entry: FileEntry) -> bytes:
 def decode(codec_name: str, data: bytes, where: str) -> bytes | bytearray:
     if codec_name in ("none", "", None):
         return data
-    from checkpointd.codecs.compress import decode_bytes
-
     try:
         return decode_bytes(codec_name, data)
     except CorruptCheckpointError:
@@ -64,8 +68,6 @@ def load_native(data: bytes | bytearray | ReadStream, fmt: str, where: str) -> A
     """A native ``.pt`` or ``.mdlus`` file's content, with CPU tensors and no code execution."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if fmt == "mdlus":
-        from checkpointd.format.mdlus import load_mdlus_state_dict
-
         return load_mdlus_state_dict(stream)
     return safe_torch_load(stream, where)
 
@@ -99,17 +101,12 @@ def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None 
         return dict(pool.map(one, files))
 
 
-FAST_READ_ENV = "CHECKPOINTD_FAST_READ"
-"""Set to ``0`` to restore through the plain path (benchmarks compare the two)."""
-
-
 def fast_read_applies(store: Store, entry: FileEntry) -> bool:
     """Local files in a format and codec the in-place loader knows (:mod:`checkpointd.restore.fastload`)."""
     return (
         getattr(store, "is_local", False)
         and entry.format in ("pt", "mdlus")
         and entry.codec in ("none", "", None, "zstd", "zstd-planes")
-        and os.environ.get(FAST_READ_ENV, "1") != "0"
     )
 
 
@@ -120,8 +117,6 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     into CUDA tensors a mapped file may be uploaded and checksummed on the GPU
     (:mod:`checkpointd.restore.device_image`), its image registered for the apply only once the checksum matched.
     """
-    from checkpointd.restore import fastload
-
     rel = layout.join(step_dir, entry.path)
     where = store.display(rel)
     image: list[Any] = []
@@ -181,8 +176,6 @@ def drop_later(box: list[Any]) -> None:
     multi-GB buffer costs ~20 ms (page tables torn down), which the training thread need not wait
     for. The caller must hold no other reference to the items.
     """
-    import threading
-
     threading.Thread(target=box.clear, name="checkpointd-release", daemon=True).start()
 
 
@@ -193,118 +186,6 @@ def rng_of(manifest: Manifest, contents: Mapping[str, Any]) -> Any:
     return None
 
 
-# -- applying to live objects ----------------------------------------------------------------------
-def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int,
-                     saved_classes: Mapping[str, str | None] | None = None) -> None:
-    """Refuse before touching anything when the live state cannot take the stored values.
-
-    ``saved_classes``: the class each entry had when saved (the manifest's ``class_name``): an
-    optimizer, scheduler, scaler or other stateful object of another class is refused.
-    """
-    for e in entries:
-        if e.name not in values:
-            raise StateMismatchError(
-                f"checkpoint step {step} has no entry {e.name!r} (it holds {sorted(values)}); "
-                "register the same state names that were saved"
-            )
-        v = values[e.name]
-        saved = (saved_classes or {}).get(e.name)
-        if saved and e.kind in ("optimizer", "scheduler", "scaler", "stateful") and saved != type(e.obj).__name__:
-            raise StateMismatchError(
-                f"state[{e.name!r}] is a {type(e.obj).__name__}, but step {step} saved a {saved}; "
-                f"build a {saved} to resume from this checkpoint (its state does not fit a {type(e.obj).__name__})"
-            )
-        if e.kind == "module":
-            live = unwrap_module(e.obj).state_dict()
-            missing = sorted(set(live) - set(v))
-            extra = sorted(set(v) - set(live))
-            if missing or extra:
-                raise StateMismatchError(
-                    f"state[{e.name!r}] ({type(e.obj).__name__}) does not match step {step}: "
-                    f"missing keys {missing[:5]}, unexpected keys {extra[:5]}"
-                )
-            for k, t in live.items():
-                if isinstance(t, torch.Tensor) and isinstance(v[k], torch.Tensor) and t.shape != v[k].shape:
-                    raise StateMismatchError(
-                        f"state[{e.name!r}] key {k!r}: live shape {tuple(t.shape)}, saved {tuple(v[k].shape)} at step {step}"
-                    )
-        elif e.kind == "optimizer":
-            live_sizes = [len(g["params"]) for g in e.obj.param_groups]
-            groups = v.get("param_groups") if isinstance(v, dict) else None
-            saved_sizes = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
-            if saved_sizes != live_sizes:
-                raise StateMismatchError(
-                    f"state[{e.name!r}] ({type(e.obj).__name__}): live parameter groups of sizes {live_sizes}, "
-                    f"saved {saved_sizes} at step {step}; build the optimizer over the same parameters that were saved"
-                )
-        elif e.kind == "tensor":
-            if not isinstance(v, torch.Tensor) or v.shape != e.obj.shape:
-                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise StateMismatchError(f"state[{e.name!r}]: live tensor shape {tuple(e.obj.shape)}, saved {got} at step {step}")
-        elif e.kind == "data":
-            if type(v) is not type(e.obj) and not (isinstance(v, dict) and isinstance(e.obj, dict)):
-                raise StateMismatchError(f"state[{e.name!r}]: live {type(e.obj).__name__}, saved {type(v).__name__} at step {step}")
-
-
-def apply_entry(e: Entry, value: Any) -> None:
-    """Load one stored value into its live object, in place."""
-    if e.kind == "module":
-        unwrap_module(e.obj).load_state_dict(value, strict=True)
-    elif e.kind == "optimizer":
-        e.obj.load_state_dict(value)
-        match_optimizer_state_layout(e.obj)
-    elif e.kind in ("scheduler", "scaler", "stateful"):
-        e.obj.load_state_dict(value)
-    elif e.kind == "tensor":
-        with torch.no_grad():
-            e.obj.copy_(value)
-    elif e.kind == "data":
-        value = _onto_live_devices(e.obj, value)
-        if isinstance(e.obj, dict):
-            e.obj.clear()
-            e.obj.update(value)
-        else:
-            e.obj[:] = value
-
-
-def _onto_live_devices(live: Any, saved: Any) -> Any:
-    """Saved plain data with each tensor moved to where the live tensor at the same place lives.
-
-    Tensors in registered dicts/lists load as CPU tensors; a live CUDA tensor under the same key gets
-    its value back on its own device, dtype and memory format (copied into a tensor like it).
-    """
-    if isinstance(saved, torch.Tensor) and isinstance(live, torch.Tensor):
-        if live.shape == saved.shape and (live.device != saved.device or live.dtype != saved.dtype or live.stride() != saved.stride()):
-            out = torch.empty_like(live)
-            out.copy_(saved)
-            return out
-        return saved
-    if isinstance(saved, dict) and isinstance(live, dict):
-        return type(saved)((k, _onto_live_devices(live[k], v) if k in live else v) for k, v in saved.items())
-    if isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live):
-        return [_onto_live_devices(a, b) for a, b in zip(live, saved)]
-    return saved
-
-
-def match_optimizer_state_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Give every per-parameter state tensor its parameter's strides (channels_last stays channels_last).
-
-    ``Optimizer.load_state_dict`` keeps whatever layout the stored tensor had; fused Adam computes
-    wrong moments when a channels_last parameter gets contiguous state.
-    """
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                st = optimizer.state.get(p)
-                if not st:
-                    continue
-                for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape and v.stride() != p.stride():
-                        fixed = torch.empty_like(p, dtype=v.dtype, device=v.device)
-                        fixed.copy_(v)
-                        st[k] = fixed
-
-
 def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple[Manifest, dict[str, Any]]:
     """Verify and read one committed step, check it fits ``entries``, then load it into them.
 
@@ -312,8 +193,6 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     every file verified and every entry is compatible. Returns the manifest and decoded files (the
     caller restores RNG from them).
     """
-    from checkpointd.commit import read_committed_manifest
-
     manifest = read_committed_manifest(store, step_dir)
     sharded = manifest.mode == "sharded"  # a distributed save, restored whole into this process
     # into CUDA tensors, mapped files of a single-process save may be verified on the GPU (their values
@@ -322,8 +201,6 @@ def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple
     with device_image.verifying_on(device):
         with malformed_is_damage(store.display(step_dir)):
             if sharded:
-                from checkpointd.restore.assemble import assemble_full_values
-
                 contents = read_step(store, step_dir, manifest, rank=None)
                 values = assemble_full_values(manifest, contents)
             else:
@@ -363,8 +240,6 @@ def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
     Out of device memory with device images held: once more without them. Live tensors change only
     after every entry was planned (the planning allocates), and a second apply writes the same bytes.
     """
-    from checkpointd.restore.apply import apply_entries
-
     try:
         apply_entries(entries, values)
     except torch.OutOfMemoryError:
@@ -372,3 +247,8 @@ def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
             raise
         logger.info("out of device memory with the restore's device images held: applying again without them")
         apply_entries(entries, values)
+
+
+__all__ = ["apply_entry", "check_compatible", "check_file", "decode", "drop_later", "fast_read_applies", "load_native",
+           "malformed_is_damage", "match_optimizer_state_layout", "read_local_fast", "read_step", "read_verified",
+           "restore_in_place", "rng_of", "safe_torch_load", "values_by_entry"]

@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from checkpointd import commit
-from checkpointd.format import layout
 from checkpointd.codecs.checksum import ChecksumReader
 from checkpointd.errors import CheckpointError, CorruptCheckpointError
+from checkpointd.format import layout
 from checkpointd.format.manifest import FileEntry, Manifest
+from checkpointd.restore.checkpoint_file import CheckpointFile
 from checkpointd.storage.store import Store
 
 __all__ = ["StepReport", "check_file", "verify_file", "verify_root", "verify_step"]
@@ -104,8 +105,6 @@ def deep_check_file(store: Store, step_dir: str, entry: FileEntry) -> Any:
         CorruptCheckpointError: a chunk or record fails its own checksum, or the container is damaged.
         UnsafeCheckpointError: the pickle references code outside the weights-only allow-list.
     """
-    from checkpointd.restore.partial import CheckpointFile
-
     rel = layout.join(step_dir, entry.path)
     data = store.read_bytes(rel)
     with CheckpointFile(io.BytesIO(data), codec=entry.codec, fmt=entry.format, where=store.display(rel)) as f:

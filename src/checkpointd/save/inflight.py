@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.errors import CheckpointTimeoutError
-from checkpointd.save.writer import SaveJob
+from checkpointd.save.job import SaveJob
 
 
 @dataclass

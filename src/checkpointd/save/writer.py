@@ -1,91 +1,45 @@
 """Background pipeline: serialize -> compress -> store every file, then manifest, then the commit marker.
 
-One save is one :class:`SaveJob`. A single committer thread takes jobs in order (so commits happen in
-step order), fans the job's files out to a thread pool (files are written in parallel; each file is
-one stream: ``write_pt`` -> codec encoder -> checksum -> storage file), and only when every file is
-durable writes ``manifest.json`` and then ``COMMITTED``. A failure at any point leaves the step
-uncommitted; it is recorded on the job and re-raised on the training thread by the manager.
+One save is one :class:`~checkpointd.save.job.SaveJob` (data). A single committer thread takes jobs
+in order (so commits happen in step order) and runs :meth:`BackgroundWriter._process` on each: the
+planning steps of ``planning.py`` (plan ahead, wait for the copies, plan the rest), then it fans the
+job's files out to a thread pool (files are written in parallel; each file is one stream:
+``write_pt`` -> codec encoder -> checksum -> storage file), gives the staging buffers back, and only
+when every file is durable writes ``manifest.json`` and then ``COMMITTED`` (``commit.py``), then runs
+the writer's ``on_commit`` hook. A failure at any point leaves the step uncommitted; it is recorded on
+the job's future and re-raised on the training thread by the manager.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from checkpointd import commit
 from checkpointd.format import layout
+from checkpointd.storage import ptlayout
 from checkpointd.storage import recycle
 from checkpointd.codecs.checksum import ChecksumWriter, format_crc
-from checkpointd.format.manifest import FileEntry, Manifest
-from checkpointd.format.serialize import PtPlan, write_pt
+from checkpointd.format.manifest import FileEntry
+from checkpointd.format.mdlus import write_mdlus
+from checkpointd.format.serialize import write_pt
+from checkpointd.save import planning
+from checkpointd.save.job import FileJob, SaveJob
 from checkpointd.storage.serial_worker import SerialWorker
 from checkpointd.storage.store import Store
 
 logger = logging.getLogger("checkpointd")
 
 
-@dataclass
-class FileJob:
-    """One file of a save: its plan (pickle + staged tensor storages) and format."""
-
-    rel_path: str
-    format: str
-    plan: PtPlan
-    dtypes: dict[str, Any]
-    json_members: dict[str, bytes] | None = None
-    rank: int = 0
-    records: Any = None
-    """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
-    image: Any = None
-    """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
-    recycled: bool = False
-    """Set by the write: the file was written over one taken from the recycling bin (retired, or blank
-    made ahead), not created. Why kept: whether a save found its files is what decides its write speed
-    on tmpfs (``stats()["last_save"]["files_recycled"]``)."""
-
-
-@dataclass
-class SaveJob:
-    step: int
-    step_dir: str
-    files: list[FileJob]
-    manifest: Manifest
-    before_write: Callable[[], None]
-    """Runs on the committer thread: waits for the snapshot copies, finishes deferred values (and plans
-    the files if ``plan_files`` did not)."""
-    after_files: Callable[[], None]
-    """Runs once every file is written (success or not): frees the staging buffers."""
-    commit_hook: Callable[[SaveJob], None] | None = None
-    """Replaces the local commit (distributed runs coordinate it)."""
-    after_commit: Callable[[SaveJob], None] | None = None
-    stream: Any = None
-    """Host budget: the ``chunkstream.ChunkStream`` that ``write_files`` runs while the files are written."""
-    plan_files: Callable[[], None] | None = None
-    """Runs first, before ``before_write`` waits for the copies: pickles the files into ``files`` when
-    that needs no copied value (the Python work then overlaps the copy, not the training steps after it)."""
-    plan_when: Callable[[float], bool] | None = None
-    """Waits (at most the given seconds) until planning costs the training thread least: for a large CUDA
-    snapshot, until its next optimizer step was reached (see ``snapshot.PendingCopies.training_waits``).
-    None: plan at once."""
-    fast: bool = False
-    """Write every file at full speed (a preemption save, ``CHECKPOINTD_PERSIST=fast``), not gently."""
-    future: Future = field(default_factory=Future)
-    timings: dict[str, float] = field(default_factory=dict)
-    written_bytes: int = 0
-    raw_bytes: int = 0
-
-
 class BackgroundWriter(SerialWorker):
     """Owns the committer thread (one save at a time, in order) and the file-writing pool."""
 
-    def __init__(self, store: Store, codec: Any, file_threads: int = 4, retry: Any = None) -> None:
+    def __init__(self, store: Store, codec: Any, file_threads: int = 4, retry: Any = None, *,
+                 clear_step_dir: Callable[[str], None] | None = None,
+                 on_commit: Callable[[SaveJob], None] | None = None,
+                 after_save: Callable[[], None] | None = None) -> None:
         super().__init__("checkpointd-committer")
         self.store = store
         self.codec = codec
@@ -93,6 +47,14 @@ class BackgroundWriter(SerialWorker):
         self._pool = ThreadPoolExecutor(max_workers=max(1, file_threads), thread_name_prefix="checkpointd-file")
         self.before_marker: Callable[[], None] | None = None
         """Run just before each commit marker is written (the root lease's check); may raise."""
+        self.clear_step_dir = clear_step_dir
+        """Run with the step directory once the copies landed, before any file is written (removes an
+        uncommitted leftover of the same step)."""
+        self.on_commit = on_commit
+        """Run with each committed job (the manager records the commit, queues its upload, applies retention)."""
+        self.after_save = after_save
+        """Run after each committed save, on this thread (the manager gives a restore's pinned bounce
+        chunks back here: ``cudaFreeHost`` waits for the device)."""
         self._start()
 
     def submit(self, job: SaveJob) -> Future:
@@ -109,58 +71,69 @@ class BackgroundWriter(SerialWorker):
 
     def _handle(self, job: SaveJob) -> None:
         try:
-            with _short_gil_switch_interval():
-                self._process(job)  # distributed runs override it: the pool is given back here, for both
-            _release_restore_pool()
+            self._process(job)  # distributed runs override it: ``after_save`` runs here, for both
+            if self.after_save is not None:
+                self.after_save()
             job.future.set_result(job)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
             job.future.set_exception(exc)
 
     def _process(self, job: SaveJob) -> None:
+        """One save: plan ahead, wait for the copies, plan the rest, write the files, then commit."""
         try:
+            if job.failure is not None:
+                raise job.failure
             self.plan_job(job)
             t0 = time.perf_counter()
-            job.before_write()
+            self.prepare_files(job)
         except BaseException:
-            job.after_files()
+            planning.release_staging(job)
             raise
         job.timings["stage_wait_secs"] = time.perf_counter() - t0
         error = self.write_files(job)
         if error is not None:
             raise error
         t2 = time.perf_counter()
-        if job.commit_hook is not None:
-            job.commit_hook(job)
-        else:
-            self._call(commit.write_manifest_and_commit, self.store, job.step_dir, job.manifest, self.before_marker)
+        self._call(commit.write_manifest_and_commit, self.store, job.step_dir, job.manifest, self.before_marker)
         t3 = time.perf_counter()
         job.timings["commit_secs"] = t3 - t2
-        if job.after_commit is not None:
-            job.after_commit(job)
+        if self.on_commit is not None:
+            self.on_commit(job)
         job.timings["retention_secs"] = time.perf_counter() - t3
 
     def plan_job(self, job: SaveJob) -> None:
-        """Pickle the files and lay out their zip images ahead of the copies, where the job allows it."""
-        if job.plan_files is None:
+        """Pickle the files and lay out their zip images ahead of the copies, where the job allows it
+        (:func:`planning.plans_ahead`); a large CUDA snapshot first waits for the training thread's next
+        optimizer step (:func:`planning.training_waits`), at most :data:`PLAN_WAIT_SECS`."""
+        if not planning.plans_ahead(job):
             return
-        wait = _env_seconds("CHECKPOINTD_PLAN_WAIT_SECS", PLAN_WAIT_SECS)
-        plan_when = job.plan_when if wait > 0 and not job.fast else None  # a preemption save plans at once
-        if plan_when is not None:
+        wait = PLAN_WAIT_SECS
+        waits = planning.training_waits(job) if wait > 0 and not job.fast else None  # a preemption save plans at once
+        if waits is not None:
             t0 = time.perf_counter()
-            plan_when(wait)
+            waits.wait(wait)
             job.timings["plan_wait_secs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with _short_gil_switch_interval(planning=True) if plan_when is not None else contextlib.nullcontext():
-            job.plan_files()
+        if planning.plan_files(job, copied=False):
             for fjob in job.files:
                 if parallel_write_applies(self.store, self.codec, fjob):
                     fjob.image = file_image(fjob)
         job.timings["plan_secs"] = time.perf_counter() - t0
 
+    def prepare_files(self, job: SaveJob) -> None:
+        """Wait for the snapshot's copies, clear the step directory (``clear_step_dir``), plan what is left."""
+        planning.wait_for_copies(job)
+        if self.clear_step_dir is not None:
+            self.clear_step_dir(job.step_dir)
+        if job.streamed:
+            planning.plan_stream(job)
+        else:
+            planning.plan_files(job)
+
     def write_files(self, job: SaveJob) -> BaseException | None:
         """Write every file of ``job`` in parallel; returns the first failure (None if all succeeded).
 
-        Waits for *every* file before freeing the staging buffers (``after_files``), also after a
+        Waits for *every* file before freeing the staging buffers (:func:`planning.release_staging`), also after a
         failure: a file still being written reads those buffers. Fills ``job.manifest.files``, the
         byte counts and ``write_secs``. Under a host budget this thread produces the chunk stream
         (device-to-host copies into free chunks) while the file threads consume it.
@@ -184,7 +157,7 @@ class BackgroundWriter(SerialWorker):
             if stream is not None and stream.error is not None:
                 error = stream.error  # the root cause, not a file that was aborted because of it
         finally:
-            job.after_files()
+            planning.release_staging(job)
         job.timings["write_secs"] = time.perf_counter() - t1
         job.manifest.files = entries
         job.written_bytes = sum(e.size for e in entries)
@@ -208,100 +181,9 @@ class BackgroundWriter(SerialWorker):
             raise
 
 
-def _release_restore_pool() -> None:
-    """Unpin a restore's bounce chunks once a save has committed (see :func:`checkpointd.restore.bulkcopy.release_pinned`).
-
-    Here, not when the staging arena is pinned: a process that only restores (a benchmark, an
-    evaluation job) keeps its pool, and a training run gives it back after its first checkpoint, on
-    this thread (``cudaFreeHost`` waits for the device), leaving the arena as its pinned memory.
-    """
-    bulkcopy = sys.modules.get("checkpointd.restore.bulkcopy")
-    if bulkcopy is not None:  # never imported: no restore pool to give back
-        bulkcopy.release_pinned()
-
-
-GIL_SWITCH_INTERVAL_SECS = 0.005
-"""While a save is being written, Python's GIL switch interval is lowered to at most this.
-
-The default equals Python's own (5 ms), so nothing changes unless ``CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS``
-asks for less. Session 2 lowered it to 0.5 ms, when the writer pickled and laid out files while the
-training steps ran; that work now runs during the copy (``SaveJob.plan_files``), and the I/O threads
-hold the GIL only between slices. Measured on an H200 (RESULTS.md, session 3): 0.45 GB state, 8
-checkpoints each, stall 31.7 and 33.0 ms at 5 ms against 44.1 and 43.9 ms at 0.5 ms (session 2: 23.2
-against 29.5); 4.83 GB, 62.7 against 64.7 ms. A short interval forces the training thread off the GIL
-every time an I/O thread returns from a write."""
-
-PLAN_GIL_SWITCH_INTERVAL_SECS = 0.0002
-"""While the committer thread plans a deferred save (pickling, zip layout: 4-11 ms of Python on a 5 GB
-state, see ``SaveJob.plan_when``), the switch interval is at most this
-(``CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS``; 0 leaves it alone).
-
-Why: deferred planning runs while the training thread waits for the GPU, without the GIL. When that
-wait ends, the training thread would get the GIL back only after a full switch interval (5 ms by
-default); with a short one, within ~0.2 ms. The planner's own CPU time is unchanged (more switches).
-H200, 4.83 GB, same lease: the save step 8-13 -> 3-8 ms with both changes; this interval alone moved
-the cost from the save step to the next one."""
-
 PLAN_WAIT_SECS = 2.0
 """At most this long the committer waits for the training thread's next optimizer step before planning
-(with no registered optimizer, or one that steps rarely, planning starts after it).
-``CHECKPOINTD_PLAN_WAIT_SECS`` overrides it for benchmarks (0: plan at once, as before session 9)."""
-
-_switch_lock = threading.Lock()
-_switch_users = 0
-_plan_users = 0
-_switch_saved = 0.005
-
-
-def _env_seconds(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def _switch_interval() -> float:
-    """``GIL_SWITCH_INTERVAL_SECS``, or ``CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS`` (for benchmarks)."""
-    value = _env_seconds("CHECKPOINTD_GIL_SWITCH_INTERVAL_SECS", GIL_SWITCH_INTERVAL_SECS)
-    return value if value > 0 else GIL_SWITCH_INTERVAL_SECS
-
-
-def _apply_switch_interval() -> None:
-    """Set the interval the active writers and planners ask for (caller holds ``_switch_lock``)."""
-    value = _switch_saved
-    if _switch_users:
-        value = min(value, _switch_interval())
-    plan = _env_seconds("CHECKPOINTD_PLAN_SWITCH_INTERVAL_SECS", PLAN_GIL_SWITCH_INTERVAL_SECS)
-    if _plan_users and plan > 0:
-        value = min(value, plan)
-    sys.setswitchinterval(value)
-
-
-@contextlib.contextmanager
-def _short_gil_switch_interval(planning: bool = False) -> Iterator[None]:
-    """Lower the interpreter's switch interval while any writer is busy (``planning``: while any
-    planner is, to ``PLAN_GIL_SWITCH_INTERVAL_SECS``); restore it after the last."""
-    global _switch_users, _plan_users, _switch_saved
-    with _switch_lock:
-        if _switch_users == 0 and _plan_users == 0:
-            _switch_saved = sys.getswitchinterval()
-        if planning:
-            _plan_users += 1
-        else:
-            _switch_users += 1
-        _apply_switch_interval()
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            if planning:
-                _plan_users -= 1
-            else:
-                _switch_users -= 1
-            if _switch_users == 0 and _plan_users == 0:
-                sys.setswitchinterval(_switch_saved)
-            else:
-                _apply_switch_interval()
+a deferred save (with no registered optimizer, or one that steps rarely, planning starts after it)."""
 
 
 class _CountingSink:
@@ -330,7 +212,7 @@ class _CountingSink:
 def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast: bool = False) -> FileEntry:
     """Stream one file to storage; returns its manifest entry. Runs on a pool thread.
 
-    ``fast``: write at full speed rather than gently beside training (``ptlayout.FAST_PERSIST_ENV``).
+    ``fast``: write at full speed rather than gently beside training (``checkpointd.storage.writemode.FAST_PERSIST``).
 
     A failed attempt discards the partial object (never visible as complete on object stores; an
     uncommitted partial local file is removed by retention or the next attempt).
@@ -346,8 +228,6 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
         if fjob.records is not None:  # chunks are reused once passed on: a codec must be done reading them
             fjob.records.barrier = getattr(encoder, "drain", None)
         if fjob.format == "mdlus":
-            from checkpointd.format.mdlus import write_mdlus
-
             write_mdlus(counting, fjob.json_members or {}, fjob.plan, fjob.dtypes, records=fjob.records)
         else:
             write_pt(fjob.plan, counting, fjob.dtypes, records=fjob.records)
@@ -361,17 +241,12 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
                      format=fjob.format, rank=fjob.rank, raw_size=counting.nbytes)
 
 
-PARALLEL_WRITE_ENV = "CHECKPOINTD_PARALLEL_WRITE"
-"""Set to ``0`` to force the streaming writer everywhere (benchmarks compare the two)."""
-
-
 def parallel_write_applies(store: Store, codec: Any, fjob: FileJob) -> bool:
     """Positional multi-threaded writes: local files, no codec (codecs parallelise compression already)."""
     return (
         getattr(store, "is_local", False)
         and getattr(codec, "name", None) == "none"
         and fjob.format in ("pt", "mdlus")
-        and os.environ.get(PARALLEL_WRITE_ENV, "1") != "0"
     )
 
 
@@ -381,8 +256,6 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     The manifest checksum (CRC-32 of the file as stored) is combined from the CRCs that the writing
     threads computed on each chunk; no byte is read twice. A failure removes the partial file.
     """
-    from checkpointd.storage import ptlayout
-
     image = fjob.image if fjob.image is not None else file_image(fjob)
     fjob.image = None  # an image is written once (its pieces record CRCs); a retry lays it out again
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
@@ -396,8 +269,6 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
 
 def file_image(fjob: FileJob) -> Any:
     """The zip image (every offset fixed) of a ``pt`` or ``mdlus`` file job, for positional writes."""
-    from checkpointd.storage import ptlayout
-
     if fjob.format == "mdlus":
         return ptlayout.mdlus_image(fjob.json_members or {}, fjob.plan)
     return ptlayout.pt_image(fjob.plan)

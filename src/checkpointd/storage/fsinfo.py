@@ -1,12 +1,14 @@
 """Which filesystem a local path lives on (Linux ``/proc/self/mountinfo``), for choosing a write mode,
 and whether (and how) a writer hands written ranges to the disk early (:func:`early_writeback`).
 
-Why: the fastest way to fill one file from many threads depends on the filesystem. Measured on a
-16-core H200 host (``benchmarks/RESULTS.md``, 3 GB into one file): on tmpfs, positional writes stop at
-one thread's speed (the inode lock, ~3 GB/s) while copying into a shared mapping of a pre-allocated
-file reaches ~5.2 GB/s with 8-16 threads; on ext4 both run at the disk's ~1.5 GB/s and the mapping
-loses a little through the whole pipeline. So ``CHECKPOINTD_WRITE_MODE=auto`` maps the file on
-memory-backed filesystems and uses ``pwrite`` elsewhere (not the default: see ``ptlayout.write_mode``).
+Why: the fastest way to fill one file from many threads depends on the filesystem. On a 16-core H200
+host (3 GB into one file): on tmpfs, positional writes stop at one thread's speed (the inode lock,
+~3 GB/s) while copying into a shared mapping of a pre-allocated file reaches ~5.2 GB/s with 8-16
+threads; on ext4 both run at the disk's ~1.5 GB/s and the mapping loses a little through the whole
+pipeline. So the ``auto`` write mode maps the file on memory-backed filesystems and uses ``pwrite``
+elsewhere (:mod:`checkpointd.storage.writemode`).
+
+Standard library only: the persist process loads this module by path, without the package.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def is_memory_backed(fstype: str | None) -> bool:
     return fstype in MEMORY_FILESYSTEMS
 
 
-EARLY_WRITEBACK_ENV = "CHECKPOINTD_EARLY_WRITEBACK"
-"""``auto`` (default: on for files on disk file systems), ``1`` (always, where the OS has it) or ``0``."""
+EARLY_WRITEBACK: bool | None = None
+"""None (the default): early writeback for files on disk file systems (:func:`early_writeback`); True:
+for every file, where the OS has it; False: never."""
 
 
 def early_writeback(fd: int) -> bool:
@@ -113,12 +116,12 @@ def early_writeback(fd: int) -> bool:
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` on each range as soon as it is written starts the disk
     on it while the other ranges are still being copied; the final ``fsync`` then waits for the tail
     only. It also keeps the dirty memory of a save near the disk's queue instead of the whole file.
-    Memory file systems have no writeback, so ``auto`` leaves them alone.
+    Memory file systems have no writeback, so the automatic choice (:data:`EARLY_WRITEBACK` None) leaves
+    them alone.
     """
-    mode = os.environ.get(EARLY_WRITEBACK_ENV, "auto").strip().lower()
-    if mode in ("0", "off", "no", "false") or _sync_file_range() is None:
+    if EARLY_WRITEBACK is False or _sync_file_range() is None:
         return False
-    if mode in ("1", "on", "yes", "true"):
+    if EARLY_WRITEBACK:
         return True
     fstype = fd_filesystem_type(fd)
     return fstype is not None and not is_memory_backed(fstype)
@@ -180,5 +183,5 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         view, offset = view[done:], offset + done
 
 
-__all__ = ["EARLY_WRITEBACK_ENV", "early_writeback", "fd_filesystem_type", "filesystem_type", "is_memory_backed",
+__all__ = ["EARLY_WRITEBACK", "early_writeback", "fd_filesystem_type", "filesystem_type", "is_memory_backed",
            "pwrite_all", "start_writeback", "writeback_starter"]

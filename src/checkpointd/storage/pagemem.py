@@ -4,12 +4,12 @@ Why: touching gigabytes of fresh memory one page fault at a time is slow, and wh
 matters. A restore maps a tmpfs file and checksums it: populating each range first maps its pages in
 one call instead of a fault per page (:mod:`checkpointd.restore.fastload`). A staging arena is page-locked with
 ``cudaHostRegister``; given fresh pages, the driver allocates and zeroes every one of them inside that
-call, ~0.4 s per GiB during which the training thread's own CUDA calls waited (H200 host, 4.83 GB: one
-step of 1.7-2.8 s early in every run, ``benchmarks/RESULTS.md`` session 17). Populated first on the
-preparing thread, the pages exist and the registration only pins them.
+call, ~0.4 s per GiB during which the training thread's own CUDA calls wait (H200 host, 4.83 GB: one
+step of 1.7-2.8 s early in every run). Populated first on the preparing thread, the pages exist and the
+registration only pins them.
 
 Both calls go through ctypes, which releases the GIL; where ``madvise`` or the advice is missing they do
-nothing (the pages are then faulted in as before).
+nothing (the pages are then faulted in one by one on first touch).
 
 The other way round, :class:`PiecewiseReleasedMap` lets a large mapping go without holding up the rest
 of the process (see there).
@@ -105,11 +105,10 @@ class PiecewiseReleasedMap(mmap.mmap):
 
     Why: unmapping a large populated mapping tears its page tables down under the process's memory-map
     lock held for writing, the whole time; any other thread that maps memory meanwhile (starting a
-    thread, a large ``malloc``, a CUDA host allocation) or faults a page waits for all of it. A restore's
-    4.8 GB read buffer, freed off the training thread after the restore (``restore.drop_later``), held
-    the next ``restore_latest`` step that started a thread for 22-87 ms in three of six restores on an
-    H200 host; on a 2-core VM a 3 GiB mapping held a thread start 100-240 ms (``benchmarks/RESULTS.md``,
-    session 19).
+    thread, a large ``malloc``, a CUDA host allocation) or faults a page waits for all of it. Unmapped at
+    once, a restore's 4.8 GB read buffer, freed off the training thread after the restore
+    (``restore.drop_later``), holds a thread start of the next step for 22-87 ms in three of six restores
+    on an H200 host; on a 2-core VM a 3 GiB mapping holds a thread start 100-240 ms.
     ``MADV_DONTNEED`` does the same teardown holding that lock for reading, one piece at a time (other
     threads wait at most one piece: ~4 ms on that VM), and the final ``munmap`` then finds no pages.
     Done in ``__del__``, when nothing can reach the mapping any more. Used for restore buffers

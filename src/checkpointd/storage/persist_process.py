@@ -23,9 +23,14 @@ the same bytes are written by the in-process threads instead (logged once): slow
 One process serves the whole training process (all managers); it starts with the first shared
 staging arena and exits when its socket closes (the training process exited) or at interpreter exit.
 It keeps its mapping of each file it filled through one, for the next save into that file
-(:data:`KEEP_MAPPINGS_ENV`); those files' pages then count in its resident memory, though they are the
+(:func:`keep_mappings`); those files' pages then count in its resident memory, though they are the
 files' own (no extra memory but page tables).
-``CHECKPOINTD_PERSIST_PROCESS=0`` turns shared staging, and so this process, off.
+:func:`checkpointd.options.persist_process_enabled` turns shared staging, and so this process, off.
+
+Importing this module registers it with the layers below that must reach a running process: the
+staging slabs (:func:`checkpointd.storage.sharedmem.on_release`: a released slab is unmapped there) and
+the recycling bin (:func:`checkpointd.storage.recyclebin.ask_mapping_holder`: a retired file the process
+keeps mapped is checked there).
 """
 
 from __future__ import annotations
@@ -42,24 +47,26 @@ from concurrent.futures import Future
 from typing import Any
 
 from checkpointd.errors import CheckpointError
+from checkpointd.storage import iopool
+from checkpointd.storage import recyclebin
+from checkpointd.storage import sharedmem
+from checkpointd.storage import writemode
 from checkpointd.storage.lanes import local_ranks
-from checkpointd.storage.persist_process_main import receive_message, send_message
+from checkpointd.storage.persist_protocol import receive_message, send_message
 
 logger = logging.getLogger("checkpointd")
 
-PERSIST_NICE_ENV = "CHECKPOINTD_PERSIST_NICE"
-"""The persist process's priority: ``0`` runs it like the training; otherwise (default 10) it runs
-under ``SCHED_IDLE`` (only on cores nothing else wants), or at this nice increment where that policy
-is refused. Measured on an H200 host: 16 threads writing one tmpfs file at nice 10 cost the training
-steps 0-2.5 ms against 10-16 ms at nice 0; on 2x H200 (FSDP2, two persist processes of 32 threads on
-32 cores, nice 10) the steps during the write still cost ~6 ms each."""
+PERSIST_NICE = 10
+"""The persist process's priority: ``0`` runs it like the training; otherwise it runs under
+``SCHED_IDLE`` (only on cores nothing else wants), or at this nice increment where that policy is
+refused. On an H200 host 16 threads writing one tmpfs file at nice 10 cost the training steps 0-2.5 ms
+against 10-16 ms at nice 0; on 2x H200 (FSDP2, two persist processes of 32 threads on 32 cores, nice
+10) the steps during the write still cost ~6 ms each."""
 
-KEEP_MAPPINGS_ENV = "CHECKPOINTD_KEEP_MAPPINGS"
+KEEP_MAPPINGS: bool | None = None
 """Whether the persist process keeps each file's mapping after writing it, for the next save into the
-same (recycled) file (``persist_process_main._KeptFile``): ``1`` or ``0``; by default on where this host
-runs one rank. Where it runs several, rank 0's retention retires the other ranks' files too, and it
-can ask only its own process whether a file is in use: another rank's kept mapping would make every
-one of that rank's files look in use, and they would be deleted instead of recycled."""
+same (recycled) file (:class:`checkpointd.storage.persist_mappings.KeptFile`); None (the default): where
+this host runs one rank (:func:`keep_mappings`)."""
 
 _MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "persist_process_main.py")
 
@@ -75,14 +82,10 @@ class PersistProcess:
         self.threads = threads
         """The process's writing threads."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            nice = int(os.environ.get(PERSIST_NICE_ENV, "") or 10)
-        except ValueError:
-            nice = 10
-        self.keeps_mappings = _keep_mappings()
-        """Whether the process keeps each written file's mapping (:data:`KEEP_MAPPINGS_ENV`)."""
+        self.keeps_mappings = keep_mappings()
+        """Whether the process keeps each written file's mapping (:func:`keep_mappings`)."""
         args = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), _MAIN,
-                str(child.fileno()), str(threads), str(nice), str(slice_bytes), str(int(self.keeps_mappings))]
+                str(child.fileno()), str(threads), str(PERSIST_NICE), str(slice_bytes), str(int(self.keeps_mappings))]
         try:
             self.proc = subprocess.Popen(args, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
         except BaseException:
@@ -169,8 +172,8 @@ class PersistProcess:
         file (``None``: it keeps none; ask the file system instead).
 
         Why: the process keeps its mappings of written files for the next save into them
-        (:class:`checkpointd.storage.persist_process_main._KeptFile`), so the file looks open to a lease taken
-        here; the process takes it on its own descriptor (:func:`checkpointd.storage.recycle.Retirement.retire`).
+        (:class:`checkpointd.storage.persist_mappings.KeptFile`), so the file looks open to a lease taken
+        here; the process takes it on its own descriptor (:meth:`checkpointd.storage.recycle.Retirement.retire`).
         """
         future = self._submit(("exclusive", st.st_dev, st.st_ino), None)
         result = future.result(timeout=timeout)
@@ -301,8 +304,6 @@ _closing = False
 def client() -> PersistProcess | None:
     """The process-wide persist process, started on first use; None where it cannot run."""
     global _client, _start_failed
-    from checkpointd.storage import sharedmem
-
     current = _client
     if current is not None and current.alive:
         return current
@@ -311,14 +312,12 @@ def client() -> PersistProcess | None:
     with _lock:
         if _client is not None and _client.alive:
             return _client
-        if _client is not None and _client.writes_done == 0:  # died before writing anything: it cannot run here
+        if _client is not None and _client.writes_done == 0:  # died without writing anything: it cannot run here
             _start_failed = True
-            logger.warning("checkpointd: the persist process exited before its first write; writing from in-process threads")
+            logger.warning("checkpointd: the persist process exited ahead of its first write; writing from in-process threads")
             return None
-        from checkpointd.storage import ptlayout
-
         try:
-            _client = PersistProcess(_threads(ptlayout.io_threads()), ptlayout.CRC_SLICE_BYTES)
+            _client = PersistProcess(threads_for(iopool.io_threads()), iopool.CRC_SLICE_BYTES)
         except Exception as exc:  # noqa: BLE001 - the in-process writer still works
             _start_failed = True
             logger.warning("checkpointd: could not start the persist process (%s); writing from in-process threads", exc)
@@ -326,19 +325,15 @@ def client() -> PersistProcess | None:
         return _client
 
 
-PERSIST_THREADS_ENV = "CHECKPOINTD_PERSIST_THREADS"
-"""The persist process's writing threads; by default the I/O pool's size shared by this host's ranks.
-Read when the process starts. Measured on 2x H200 (FSDP2, 2.42 GB a rank, RESULTS.md session 11): 4
-threads a rank instead of 16 wrote in 0.53 s instead of 0.30 s and did not lower the training stall
-measurably; a knob for hosts where the writing competes with other work."""
+def keep_mappings() -> bool:
+    """:data:`KEEP_MAPPINGS` if set, else whether this host runs one rank (``LOCAL_WORLD_SIZE``, or
+    ``WORLD_SIZE`` without it).
 
-
-def _keep_mappings() -> bool:
-    """:data:`KEEP_MAPPINGS_ENV` if set, else whether this host runs one rank (``LOCAL_WORLD_SIZE``, or
-    ``WORLD_SIZE`` without it)."""
-    value = os.environ.get(KEEP_MAPPINGS_ENV, "").strip()
-    if value in ("0", "1"):
-        return value == "1"
+    Why not where it runs several: rank 0's retention retires the other ranks' files too, and it can
+    ask only its own process whether a file is in use; another rank's kept mapping would make every one
+    of that rank's files look in use, and they would be deleted instead of recycled."""
+    if KEEP_MAPPINGS is not None:
+        return bool(KEEP_MAPPINGS)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "") or 0)
         world = int(os.environ.get("WORLD_SIZE", "") or 1)
@@ -347,36 +342,28 @@ def _keep_mappings() -> bool:
     return local == 1 if local > 0 else world <= 1
 
 
-def _threads(io_threads: int) -> int:
-    """``CHECKPOINTD_PERSIST_THREADS``, else the I/O pool's size shared by the ranks of this host
-    (``LOCAL_WORLD_SIZE``, set by ``torchrun``), at least 4.
+def threads_for(io_threads: int) -> int:
+    """The persist process's writing threads: the I/O pool's size (``io_threads``) shared by the ranks
+    of this host (``LOCAL_WORLD_SIZE``, set by ``torchrun``), at least 4. Read when the process starts.
 
-    Every rank starts its own persist process; without the division two ranks on 32 cores ran 64
-    writing threads.
+    Every rank starts its own persist process; without the division two ranks on 32 cores would run
+    64 writing threads.
     """
-    try:
-        explicit = int(os.environ.get(PERSIST_THREADS_ENV, "") or 0)
-    except ValueError:
-        explicit = 0
-    if explicit > 0:
-        return explicit
     return max(4, io_threads // local_ranks())
 
 
 def forget_slab(slab_id: int) -> None:
+    """Have the running persist process (if any) unmap the slab ``slab_id``."""
     current = _client
     if current is not None and current.alive:
         current.unmap_slab(slab_id)
 
 
 def keep_blank_file(fd: int, nbytes: int) -> bool:
-    """For :class:`checkpointd.storage.recycle.FilesAhead`: have the persist process reserve the open file ``fd``
-    and keep it mapped (:meth:`PersistProcess.keep_blank`) where it will write that file through a kept
-    mapping (a memory file system, one rank a host); False where it will not (the caller reserves it)."""
-    from checkpointd.storage import ptlayout
-    from checkpointd.storage import sharedmem
-
-    if not sharedmem.supported() or ptlayout.persist_mode(fd)[0] != "mmap":
+    """For :class:`checkpointd.storage.filesahead.FilesAhead`: have the persist process reserve the open file
+    ``fd`` and keep it mapped (:meth:`PersistProcess.keep_blank`) where it will write that file through a
+    kept mapping (a memory file system, one rank a host); False where it will not (the caller reserves it)."""
+    if not sharedmem.supported() or writemode.persist_mode(fd)[0] != "mmap":
         return False
     process = client()
     if process is None or not process.keeps_mappings:
@@ -389,7 +376,7 @@ def keep_blank_file(fd: int, nbytes: int) -> bool:
 
 
 def holds_only_open(st: os.stat_result) -> bool | None:
-    """For retention's check that nothing else uses a retired file (:mod:`checkpointd.storage.recycle`): the
+    """For retention's check that nothing else uses a retired file (:mod:`checkpointd.storage.recyclebin`): the
     running persist process's answer (:meth:`PersistProcess.exclusive`), ``None`` where none runs, it
     keeps no mapping of that file, or it does not answer."""
     current = _client
@@ -428,6 +415,8 @@ def _forget_in_child() -> None:
 atexit.register(shutdown)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+sharedmem.on_release(forget_slab)
+recyclebin.ask_mapping_holder(holds_only_open)
 
-__all__ = ["KEEP_MAPPINGS_ENV", "PERSIST_NICE_ENV", "PERSIST_THREADS_ENV", "PersistProcess", "PersistProcessError", "RemoteFile", "client",
-           "forget_slab", "holds_only_open", "keep_blank_file", "shutdown"]
+__all__ = ["KEEP_MAPPINGS", "PERSIST_NICE", "PersistProcess", "PersistProcessError", "RemoteFile", "client",
+           "forget_slab", "holds_only_open", "keep_blank_file", "keep_mappings", "shutdown", "threads_for"]

@@ -4,7 +4,7 @@ Why: the staged tensors of a save are written to their files by a separate proce
 (:mod:`checkpointd.storage.persist_process`), so that neither the writing threads' Python nor their page faults
 share the training process's GIL and memory-map lock. That process needs the bytes without a copy: a
 staging arena is therefore allocated as a ``memfd`` (anonymous shared memory, not limited by the size
-of ``/dev/shm``), mapped here, page-locked as before (``cudaHostRegister`` works on any mapping), and
+of ``/dev/shm``), mapped here, page-locked like private staging memory (``cudaHostRegister`` works on any mapping), and
 mapped once more by the persist process from the descriptor it is sent.
 
 A process-wide registry maps addresses to slabs, so a byte range the writer holds (a ``memoryview`` of
@@ -18,27 +18,41 @@ import itertools
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from checkpointd import options
 from checkpointd.storage import pagemem
 
-SHARED_STAGING_ENV = "CHECKPOINTD_PERSIST_PROCESS"
-"""``1`` (default where supported): stage into shared memory and persist from a separate process;
-``0``: stage into private memory and write from threads of the training process."""
+SHARED_STAGING_ENV = options.PERSIST_PROCESS_ENV
+"""The variable :func:`checkpointd.options.persist_process_enabled` reads: on (the default where
+supported), stage into shared memory and persist from a separate process; ``0``: stage into private
+memory and write from threads of the training process."""
 
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _starts: list[int] = []
 _slabs: list["SharedSlab"] = []
+_release_listeners: list[Callable[[int], None]] = []
 
 
 def supported() -> bool:
-    """Shared staging needs ``memfd_create`` (Linux) and is on unless the environment turns it off."""
-    if os.environ.get(SHARED_STAGING_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    """Shared staging needs ``memfd_create`` (Linux) and is on unless the environment turns it off
+    (:func:`checkpointd.options.persist_process_enabled`)."""
+    if not options.persist_process_enabled():
         return False
     return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
+
+
+def on_release(listener: Callable[[int], None]) -> None:
+    """Call ``listener(slab_id)`` whenever a slab is released (the persist process then unmaps it).
+
+    Why a listener and not a call: this module is below the persist process's client
+    (:mod:`checkpointd.storage.persist_process`), which registers itself here when it is imported."""
+    if listener not in _release_listeners:
+        _release_listeners.append(listener)
 
 
 class SharedSlab:
@@ -64,7 +78,8 @@ class SharedSlab:
             _slabs.insert(i, self)
 
     def release(self) -> None:
-        """Forget the slab (the persist process is told to unmap it) and close its descriptor.
+        """Forget the slab (the :func:`on_release` listeners are told: the persist process unmaps it) and
+        close its descriptor.
 
         The mapping itself goes when the last tensor viewing it does.
         """
@@ -73,9 +88,8 @@ class SharedSlab:
                 i = _slabs.index(self)
                 del _starts[i], _slabs[i]
         if self.fd is not None:
-            from checkpointd.storage import persist_process
-
-            persist_process.forget_slab(self.id)
+            for listener in list(_release_listeners):
+                listener(self.id)
             os.close(self.fd)
             self.fd = None
 
@@ -97,4 +111,4 @@ def locate(view: Any) -> tuple[SharedSlab, int] | None:
     return slab, offset
 
 
-__all__ = ["SHARED_STAGING_ENV", "SharedSlab", "locate", "supported"]
+__all__ = ["SHARED_STAGING_ENV", "SharedSlab", "locate", "on_release", "supported"]

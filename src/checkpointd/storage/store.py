@@ -17,8 +17,8 @@ What it adds over plain fsspec:
   multipart upload only appears when completed and is aborted on failure; on local disk ``close()``
   fsyncs the file and its directory, and ``abort()`` unlinks the partial file.
 - **Parallel S3 multipart uploads.** s3fs's file writer uploads parts one after another as its buffer
-  fills; :class:`_S3MultipartWriter` keeps up to ``max_parts_in_flight`` parts uploading at once on
-  s3fs's event loop while the caller keeps writing, with memory bounded by
+  fills; :class:`checkpointd.storage.s3writer.S3MultipartWriter` keeps up to ``max_parts_in_flight``
+  parts uploading at once on s3fs's event loop while the caller keeps writing, with memory bounded by
   ``part_size_bytes * (max_parts_in_flight + 1)``.
 - **Fresh listings.** Listings, ``info`` and opening for reading on object stores bypass fsspec's
   listing cache, which can be stale when another process (or rank) wrote a marker or rewrote a file.
@@ -49,20 +49,19 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from types import TracebackType
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, TypeVar
 
 from fsspec import AbstractFileSystem
-from fsspec.registry import register_implementation
 from fsspec.core import url_to_fs
+from fsspec.registry import register_implementation
 
+from checkpointd.errors import CorruptCheckpointError, LinkedPathError
 from checkpointd.format import layout
-from checkpointd.storage import recycle as recycling
 from checkpointd.storage import localpaths as local
-from checkpointd.errors import CorruptCheckpointError
 from checkpointd.storage.retry import RetryPolicy
-from checkpointd.errors import LinkedPathError
-from checkpointd.storage.writers import _DurableLocalFile, _GuardedFile, _S3MultipartWriter, _s3_remove_tree
+from checkpointd.storage.s3writer import s3_remove_tree
+from checkpointd.storage.writerbase import WriteFile
+from checkpointd.storage.writers import is_local, is_s3, local_makedirs, open_writer
 
 __all__ = [
     "DEFAULT_MAX_PARTS_IN_FLIGHT",
@@ -86,21 +85,6 @@ _S3_MIN_PART_BYTES = 5 * 2**20  # S3's minimum for every part but the last
 # class only when such a URL is used.
 with contextlib.suppress(ValueError):
     register_implementation("faulty", "checkpointd.testing.faults.FaultyFileSystem")
-
-
-class WriteFile(Protocol):
-    """What ``Store.open_write`` returns: a binary sink that commits on ``close()`` only."""
-
-    def write(self, data: Any) -> int: ...
-    def tell(self) -> int: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-    def abort(self) -> None: ...
-    def discard(self) -> None: ...
-    def __enter__(self) -> WriteFile: ...
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None, /
-    ) -> None: ...
 
 
 class Store:
@@ -141,7 +125,7 @@ class Store:
             self.fs, path = fs, fs._strip_protocol(root_str)
         self.root = path.rstrip("/") or "/"
         self.url = root_str
-        self.is_local = _is_local(self.fs)
+        self.is_local = is_local(self.fs)
         self.retry = retry if retry is not None else RetryPolicy()
         self.part_size_bytes = part_size_bytes
         self.max_parts_in_flight = max_parts_in_flight
@@ -174,7 +158,7 @@ class Store:
             LinkedPathError: a component of ``rel`` below the (local) root is a symbolic link.
         """
         self._check_root_is_dir()
-        return _open_writer(self.fs, self.path(rel), self, expected_bytes)
+        return open_writer(self.fs, self.path(rel), self, expected_bytes)
 
     def write_bytes(self, rel: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object durably, retried as a whole on transient errors."""
@@ -182,7 +166,7 @@ class Store:
         self._retried(self._write_bytes_once, rel, data, describe=f"write {self.display(rel)}")
 
     def _write_bytes_once(self, rel: str, data: bytes | bytearray | memoryview) -> None:
-        with _open_writer(self.fs, self.path(rel), self) as f:
+        with open_writer(self.fs, self.path(rel), self) as f:
             f.write(data)
 
     def makedirs(self, rel: str) -> None:
@@ -194,7 +178,7 @@ class Store:
         """
         if self.is_local:
             self._check_root_is_dir()
-            os.close(_local_makedirs(self.root, local.rel_parts(rel), self))
+            os.close(local_makedirs(self.root, local.rel_parts(rel), self))
 
     # -- reading -------------------------------------------------------------------------------
     def open_read(self, rel: str) -> IO[bytes]:
@@ -324,12 +308,12 @@ class Store:
         except FileNotFoundError:
             return []
         except NotADirectoryError as exc:
-            raise self._not_a_dir(rel) from exc
+            raise self.not_a_directory(rel) from exc
         names = set()
         for entry in entries:
             name = entry["name"].rstrip("/")
             if entry.get("type") == "file" and self.fs._strip_protocol(name).rstrip("/") == full.rstrip("/"):
-                raise self._not_a_dir(rel)  # fsspec lists a file as itself
+                raise self.not_a_directory(rel)  # fsspec lists a file as itself
             names.add(name.rsplit("/", 1)[-1])
         return sorted(names)
 
@@ -342,7 +326,7 @@ class Store:
         except LinkedPathError:
             return []
         except NotADirectoryError as exc:
-            raise self._not_a_dir(rel) from exc
+            raise self.not_a_directory(rel) from exc
         try:
             return sorted(os.listdir(fd))
         finally:
@@ -385,8 +369,8 @@ class Store:
             return
         if not self.is_local:
             self.fs.invalidate_cache(full)
-        if _is_s3(self.fs):
-            _s3_remove_tree(self.fs, full)
+        if is_s3(self.fs):
+            s3_remove_tree(self.fs, full)
             return
         try:
             self.fs.rm(full, recursive=True)
@@ -439,7 +423,8 @@ class Store:
     def _retried(self, fn: Callable[..., T], *args: Any, describe: str) -> T:
         return self.retry.call(fn, *args, describe=describe)
 
-    def _not_a_dir(self, rel: str) -> NotADirectoryError:
+    def not_a_directory(self, rel: str) -> NotADirectoryError:
+        """The error for ``rel`` (or the root, ``""``) being a file where a directory is needed."""
         where = self.display(rel)
         if not rel:
             return NotADirectoryError(
@@ -454,53 +439,8 @@ class Store:
         if self._root_checked:
             return
         if self._retried(self._is_file_once, "", describe=f"check {self.display()}"):
-            raise self._not_a_dir("")
+            raise self.not_a_directory("")
         self._root_checked = True
-
-
-def _is_local(fs: AbstractFileSystem) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protocols or "local" in protocols
-
-
-def _is_s3(fs: AbstractFileSystem) -> bool:
-    return hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and hasattr(fs, "loop")
-
-
-def _open_writer(fs: AbstractFileSystem, full: str, store: Store, expected_bytes: int = 0) -> WriteFile:
-    """The best writer for ``fs``; a wrapper filesystem may wrap the writer of its target.
-
-    ``expected_bytes``: see :meth:`Store.open_write`.
-    """
-    wrap = getattr(fs, "wrap_write_file", None)
-    target = getattr(fs, "target", None)
-    if callable(wrap) and isinstance(target, AbstractFileSystem):
-        inner = target._strip_protocol(full)
-        return wrap(full, lambda: _open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
-    if _is_local(fs):
-        root = store.root.rstrip("/")
-        parts = local.rel_parts(full[len(root) + 1:]) if full.startswith(root + "/") else []
-        if not parts:  # not below the root (a wrapped filesystem's own path): below its own directory
-            root, parts = os.path.dirname(full) or ".", [os.path.basename(full)]
-        recycle_from = recycling.bin_for(store) if expected_bytes else None
-        dir_fd = _local_makedirs(root or "/", parts[:-1], store)
-        return _DurableLocalFile(dir_fd, parts[-1], full, recycle_from=recycle_from, expected_bytes=expected_bytes)
-    if _is_s3(fs):
-        return _S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
-    return _GuardedFile(fs, full)
-
-
-def _local_makedirs(root: str, parts: list[str], store: Store) -> int:
-    """The directory ``root/parts...`` (made where missing), opened without following links below the
-    root; the caller closes the descriptor."""
-    try:
-        return local.open_dir_below(root, parts, create=True)
-    except (FileExistsError, NotADirectoryError) as exc:
-        if os.path.isfile(store.root):
-            raise store._not_a_dir("") from exc
-        if isinstance(exc, NotADirectoryError) and exc.strerror:
-            raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: {exc.strerror}") from exc
-        raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: a file is in the way") from exc
 
 
 def _unreadable(exc: OSError, where: str, dir_fd: int, name: str) -> Exception:

@@ -4,98 +4,41 @@ Why not fsspec's own file objects: closing one commits whatever was written, als
 block is left by an exception, and a partial object must never look complete. These writers commit
 only on ``close()`` and throw the partial data away on ``abort()``:
 
-- ``_DurableLocalFile``: a local file; ``close`` fsyncs it and its directory, ``abort`` unlinks it.
-- ``_S3MultipartWriter``: parallel multipart upload on s3fs's event loop; the object appears only when
-  the upload completes, ``abort`` aborts the multipart upload.
-- ``_GuardedFile``: any other fsspec file; ``abort`` discards or deletes it.
+- :class:`DurableLocalFile`: a local file; ``close`` fsyncs it and its directory, ``abort`` unlinks it.
+- :class:`checkpointd.storage.s3writer.S3MultipartWriter`: parallel multipart upload on s3fs's event
+  loop; the object appears only when the upload completes, ``abort`` aborts the multipart upload.
+- :class:`GuardedFile`: any other fsspec file; ``abort`` discards or deletes it.
+
+:func:`open_writer` picks the writer for a filesystem.
 
 Local paths below a checkpoint root are opened one component at a time from the root, never
 following a link (:func:`checkpointd.storage.localpaths.open_dir_below`): the root is shared, and whatever links others plant in it,
 nothing the library deletes, truncates or writes over lies outside it. A file is never written through
 an existing name: whatever is there (the checkpoint's own leftover, or something planted) is unlinked
 and a new file created with ``O_EXCL|O_NOFOLLOW`` (:func:`checkpointd.storage.localpaths.create_file`), or a retired file taken from
-the recycling bin is checked on its open descriptor (a regular file with one link) before a byte goes in.
+the recycling bin is checked on its open descriptor (a regular file with one link) ahead of the first byte.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from checkpointd.storage import recycle
+from checkpointd.storage import localpaths
+from checkpointd.storage import recyclebin
 from checkpointd.storage.localpaths import create_file, open_parent_below
-from checkpointd.storage.retry import RetryPolicy
+from checkpointd.storage.s3writer import S3MultipartWriter, is_s3, s3_remove_tree
+from checkpointd.storage.writerbase import WriteFile, WriterBase
 
 logger = logging.getLogger("checkpointd")
 
-_S3_PARTS_PER_DOUBLING = 1000  # part size doubles every 1000 parts, staying under S3's 10,000 parts
 
-
-def _s3_remove_tree(fs: Any, full: str) -> None:
-    """Delete every object under ``full``, then the "directory" keys ``.../`` above them.
-
-    Deleting the directory keys matters on S3 servers with real directories (SeaweedFS keeps an
-    emptied prefix listed until ``prefix/`` itself is deleted); on AWS they are no-ops.
-    """
-    files = fs.find(full)
-    if files:
-        fs.rm(files)
-    bucket, root_key, _ = fs.split_path(full)
-    dirs = {root_key.rstrip("/")}
-    for path in files:
-        key = fs.split_path(path)[1]
-        while "/" in key and len(key) > len(root_key):
-            key = key.rsplit("/", 1)[0]
-            dirs.add(key)
-    keys = sorted((d + "/" for d in dirs if d), key=len, reverse=True)  # deepest first
-    for i in range(0, len(keys), 1000):
-        fs.call_s3("delete_objects", Bucket=bucket,
-                   Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-    fs.invalidate_cache(full)
-
-
-class _WriterBase:
-    """Context-manager behaviour shared by the writers: commit on success, abort on exception."""
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-    def flush(self) -> None:
-        """No-op: data becomes durable on ``close()`` only."""
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-    def discard(self) -> None:
-        """fsspec's name for :meth:`abort`."""
-        self.abort()
-
-
-class _DurableLocalFile(_WriterBase):
+class DurableLocalFile(WriterBase):
     """A local file whose ``close()`` fsyncs the data and its directory entry.
 
     ``dir_fd`` (owned from then on) is the directory, opened without following links
@@ -111,7 +54,7 @@ class _DurableLocalFile(_WriterBase):
         self._name = name
         self._path = where
         try:
-            fd = recycle.take_open(recycle_from, dir_fd, name, expected_bytes) if recycle_from is not None else None
+            fd = recyclebin.take_open(recycle_from, dir_fd, name, expected_bytes) if recycle_from is not None else None
             self._recycled = fd is not None
             if fd is None:
                 fd = create_file(dir_fd, name, where)
@@ -122,7 +65,7 @@ class _DurableLocalFile(_WriterBase):
         self._pos = 0
 
     @classmethod
-    def below(cls, root: str, rel: str, recycle_from: str | None = None, expected_bytes: int = 0) -> "_DurableLocalFile":
+    def below(cls, root: str, rel: str, recycle_from: str | None = None, expected_bytes: int = 0) -> "DurableLocalFile":
         """The file ``rel`` below ``root``; missing directories are made, links below the root refused."""
         dir_fd, name = open_parent_below(root, rel, create=True)
         return cls(dir_fd, name, os.path.join(root, rel), recycle_from, expected_bytes)
@@ -182,7 +125,7 @@ class _DurableLocalFile(_WriterBase):
         self._close_dir()
 
 
-class _GuardedFile(_WriterBase):
+class GuardedFile(WriterBase):
     """An fsspec file that commits on ``close()`` only; ``abort()`` discards or deletes the object."""
 
     def __init__(self, fs: AbstractFileSystem, path: str) -> None:
@@ -237,132 +180,48 @@ class _GuardedFile(_WriterBase):
             self._fs.rm_file(self._path)
 
 
-class _S3MultipartWriter(_WriterBase):
-    """Streams an S3 object as a multipart upload with several parts in flight.
+def is_local(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local filesystem."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols
 
-    ``write()`` copies the data (callers reuse their buffers) into parts of ``part_size`` bytes and
-    hands each to s3fs's event loop; it blocks only while ``max_in_flight`` parts are already
-    uploading. Each part is retried on its own under ``retry``. ``close()`` uploads the tail, waits
-    for all parts and completes the upload, the only moment the object becomes visible; objects
-    smaller than one part go up in a single PUT at close. Any failure aborts the multipart upload.
+
+def open_writer(fs: AbstractFileSystem, full: str, store: Any, expected_bytes: int = 0) -> WriteFile:
+    """The best writer for ``fs``; a wrapper filesystem may wrap the writer of its target.
+
+    ``store``: the :class:`checkpointd.storage.store.Store` writing; ``expected_bytes``: see
+    :meth:`checkpointd.storage.store.Store.open_write`.
     """
+    wrap = getattr(fs, "wrap_write_file", None)
+    target = getattr(fs, "target", None)
+    if callable(wrap) and isinstance(target, AbstractFileSystem):
+        inner = target._strip_protocol(full)
+        return wrap(full, lambda: open_writer(target, inner, store))  # testing.faults.FaultyFileSystem
+    if is_local(fs):
+        root = store.root.rstrip("/")
+        parts = localpaths.rel_parts(full[len(root) + 1:]) if full.startswith(root + "/") else []
+        if not parts:  # not below the root (a wrapped filesystem's own path): below its own directory
+            root, parts = os.path.dirname(full) or ".", [os.path.basename(full)]
+        recycle_from = recyclebin.bin_for(store) if expected_bytes else None
+        dir_fd = local_makedirs(root or "/", parts[:-1], store)
+        return DurableLocalFile(dir_fd, parts[-1], full, recycle_from=recycle_from, expected_bytes=expected_bytes)
+    if is_s3(fs):
+        return S3MultipartWriter(fs, full, store.part_size_bytes, store.max_parts_in_flight, store.retry)
+    return GuardedFile(fs, full)
 
-    def __init__(self, fs: Any, path: str, part_size: int, max_in_flight: int, retry: RetryPolicy) -> None:
-        self._fs = fs
-        self._path = path
-        self._bucket, self._key, _ = fs.split_path(path)
-        self._part_size = part_size
-        self._max_in_flight = max_in_flight
-        self._retry = retry
-        self._buf = bytearray()
-        self._pos = 0
-        self._upload_id: str | None = None
-        self._next_part = 1
-        self._pending: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self._done: list[dict[str, Any]] = []
-        self.closed = False
 
-    def write(self, data: Any) -> int:
-        if self.closed:
-            raise ValueError(f"write to closed file {self._path}")
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        offset = 0
-        try:
-            if self._buf:
-                take = min(n, self._current_part_size() - len(self._buf))
-                self._buf += view[:take]
-                offset = take
-                if len(self._buf) >= self._current_part_size():
-                    self._submit(bytes(self._buf))
-                    self._buf = bytearray()
-            while n - offset >= self._current_part_size():
-                size = self._current_part_size()
-                self._submit(bytes(view[offset:offset + size]))  # one copy, straight from the caller
-                offset += size
-            self._buf += view[offset:]
-        except BaseException:
-            self.abort()
-            raise
-        self._pos += n
-        return n
+def local_makedirs(root: str, parts: list[str], store: Any) -> int:
+    """The directory ``root/parts...`` (made where missing), opened without following links below the
+    root; the caller closes the descriptor."""
+    try:
+        return localpaths.open_dir_below(root, parts, create=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        if os.path.isfile(store.root):
+            raise store.not_a_directory("") from exc
+        if isinstance(exc, NotADirectoryError) and exc.strerror:
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: {exc.strerror}") from exc
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: a file is in the way") from exc
 
-    def tell(self) -> int:
-        return self._pos
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            if self._upload_id is None:
-                self._call("put_object", Body=bytes(self._buf))
-            else:
-                if self._buf:
-                    self._submit(bytes(self._buf))
-                self._buf = bytearray()
-                self._wait(0)
-                parts = sorted(({"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in self._done),
-                               key=lambda p: p["PartNumber"])
-                self._call("complete_multipart_upload", UploadId=self._upload_id,
-                           MultipartUpload={"Parts": parts})
-        except BaseException:
-            self.abort()
-            raise
-        self.closed = True
-        self._buf = bytearray()
-        self._fs.invalidate_cache(self._path)
-
-    def abort(self) -> None:
-        """Cancel parts in flight and abort the multipart upload (best effort); nothing appears."""
-        if self.closed:
-            return
-        self.closed = True
-        self._buf = bytearray()
-        for fut in self._pending:
-            fut.cancel()
-        concurrent.futures.wait(self._pending, timeout=30)
-        self._pending = []
-        if self._upload_id is not None:
-            try:
-                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                 UploadId=self._upload_id)
-            except Exception as exc:  # noqa: BLE001 - the upload stays invisible; lifecycle rules reap it
-                logger.warning("could not abort multipart upload of %s: %r", self._path, exc)
-            self._upload_id = None
-
-    # -- internals ---------------------------------------------------------------------------
-    def _current_part_size(self) -> int:
-        return self._part_size * 2 ** ((self._next_part - 1) // _S3_PARTS_PER_DOUBLING)
-
-    def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
-        return self._retry.call(self._fs.call_s3, method, Bucket=self._bucket, Key=self._key,
-                                describe=f"{method} s3://{self._path}", **kwargs)
-
-    def _submit(self, body: bytes) -> None:
-        if self._upload_id is None:
-            self._upload_id = self._call("create_multipart_upload")["UploadId"]
-        self._wait(self._max_in_flight - 1)
-        part = self._next_part
-        self._next_part += 1
-        coro = self._upload_part(part, body)
-        self._pending.append(asyncio.run_coroutine_threadsafe(coro, self._fs.loop))
-
-    def _wait(self, max_pending: int) -> None:
-        """Block until at most ``max_pending`` parts are in flight; raise the first part failure."""
-        while self._pending:
-            done = [f for f in self._pending if f.done()]
-            if not done and len(self._pending) <= max_pending:
-                return
-            if not done:
-                concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                continue
-            for fut in done:
-                self._pending.remove(fut)
-                self._done.append(fut.result())  # raises the part's error
-
-    async def _upload_part(self, part: int, body: bytes) -> dict[str, Any]:
-        out = await self._retry.call_async(
-            self._fs._call_s3, "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-            PartNumber=part, Body=body, describe=f"upload part {part} of s3://{self._path}",
-        )
-        return {"PartNumber": part, "ETag": out["ETag"]}
+__all__ = ["DurableLocalFile", "GuardedFile", "S3MultipartWriter", "WriteFile", "WriterBase", "is_local", "is_s3", "local_makedirs",
+           "open_writer", "s3_remove_tree"]

@@ -51,7 +51,8 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
-from checkpointd.storage.writers import _WriterBase
+from checkpointd.storage.writerbase import WriterBase
+from checkpointd.storage.writers import GuardedFile
 
 __all__ = [
     "OPS",
@@ -304,10 +305,8 @@ class FaultyFileSystem(AbstractFileSystem):
         if "r" in mode and "+" not in mode:
             self.plan.check("read", path)
             return self.target.open(path, mode, **kwargs)
-        from checkpointd.storage.writers import _GuardedFile  # plain fsspec files commit on exceptions
-
-        self.plan.check("open", path)
-        return _FaultyWriter(self.plan, path, _GuardedFile(self.target, path))
+        self.plan.check("open", path)  # a guarded file: plain fsspec files commit on exceptions
+        return _FaultyWriter(self.plan, path, GuardedFile(self.target, path))
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         path = self._t(path)
@@ -360,7 +359,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.target.invalidate_cache(self._t(path) if path is not None else None)
 
 
-class _FaultyWriter(_WriterBase):
+class _FaultyWriter(WriterBase):
     """A Store writer (or guarded fsspec file) with faults on write() and close()."""
 
     def __init__(self, plan: FaultPlan, path: str, raw: Any) -> None:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkpointd.format import layout
 from checkpointd.codecs.checksum import checksum_bytes, sha256_hex
+from checkpointd.codecs.compress import get_codec
+from checkpointd.format import layout
 
 __all__ = ["CodeRunner", "forge_file", "malicious_mdlus", "malicious_pt", "recommit", "rewrite_manifest"]
 
@@ -91,8 +92,6 @@ def forge_file(step_dir: str | Path, rel: str, native: bytes) -> None:
 
 
 def _encode(codec_name: str, native: bytes) -> bytes:
-    from checkpointd.codecs.compress import get_codec
-
     codec = get_codec(codec_name)
     out = io.BytesIO()
     encoder = codec.encoder(out)

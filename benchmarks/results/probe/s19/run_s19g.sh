@@ -1,6 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
-date -u; nvidia-smi -L; git log --oneline -1
-STAGES=persist_tmpfs,restore_tmpfs,compression WHEELS=.whl OUT=$OUT/rungpu timeout 560 bash benchmarks/run_gpu.sh > $OUT/rungpu-g.log 2>&1
-echo "rc=$?"; grep -v "^\[persist\]\|^\[restore\]" $OUT/rungpu-g.log | tail -45 | cut -c1-250
-date -u
