@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpointd.storage import recyclebin
 import checkpointd
 from checkpointd import CheckpointManager
 from checkpointd.cleanup import collect_garbage, parse_duration
@@ -260,17 +261,16 @@ def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_gc_empties_the_recycling_bin(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from checkpointd.storage import recycle
 
-    bin_dir = root / recycle.BIN_NAME  # what a crashed run leaves: retired files no save took
+    bin_dir = root / recyclebin.BIN_NAME  # what a crashed run leaves: retired files no save took
     bin_dir.mkdir()
     for name in ("a.bin", "b.checking"):
         with open(bin_dir / name, "wb") as f:
-            f.truncate(recycle.MIN_RECYCLE_BYTES)
+            f.truncate(recyclebin.MIN_RECYCLE_BYTES)
     code, out, _ = run(capsys, "gc", "--dry-run", str(root))
     assert code == 0 and "would remove 2 retired file(s)" in out and (bin_dir / "a.bin").exists()
     code, out, _ = run(capsys, "gc", "--json", str(root))
-    assert code == 0 and json.loads(out)["recycle_bin"] == {"files": 2, "bytes": 2 * recycle.MIN_RECYCLE_BYTES}
+    assert code == 0 and json.loads(out)["recycle_bin"] == {"files": 2, "bytes": 2 * recyclebin.MIN_RECYCLE_BYTES}
     assert not bin_dir.exists()
     assert json.loads(run(capsys, "gc", "--json", str(root))[1])["recycle_bin"] == {"files": 0, "bytes": 0}
 

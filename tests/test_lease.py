@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from checkpointd.errors import RootInUseError
-from checkpointd.lease import LEASE_NAME, LOCK_NAME, RootLease, read_lease
+from checkpointd.leasefile import LEASE_NAME, LOCK_NAME, read_lease
+from checkpointd.lease import RootLease
 from checkpointd.storage.store import Store
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -36,12 +37,12 @@ sys.modules["checkpointd"] = pkg
 from checkpointd import lease as lease_mod
 from checkpointd.lease import RootLease
 from checkpointd.storage.store import Store
-replace = lease_mod.local_replace
+replace = leasefile.local_replace
 delay = [0.0]
 def slow_replace(*args):
     time.sleep(delay[0])
     replace(*args)
-lease_mod.local_replace = slow_replace
+leasefile.local_replace = slow_replace
 leases = {}
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from checkpointd.storage import recycle
+from checkpointd.storage import recyclebin
 
 
 def assert_tree_equal(a: Any, b: Any, where: str = "", *, strides: bool = True) -> None:
@@ -39,6 +39,6 @@ def big_files(root) -> dict[str, os.stat_result]:
         for n in names:
             p = os.path.join(dirpath, n)
             st = os.stat(p)
-            if st.st_size >= recycle.MIN_RECYCLE_BYTES:
+            if st.st_size >= recyclebin.MIN_RECYCLE_BYTES:
                 out[os.path.relpath(p, root)] = st
     return out

@@ -21,7 +21,7 @@ from checkpointd import commit
 from checkpointd.codecs.compress import get_codec
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointError, ConfigError, CorruptCheckpointError
-from checkpointd.restore.partial import CheckpointFile
+from checkpointd.restore.checkpoint_file import CheckpointFile
 from checkpointd.restore.step import read_verified
 from checkpointd.storage.store import Store
 

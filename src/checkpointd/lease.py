@@ -64,7 +64,6 @@ from checkpointd.leasefile import (
     Identity,
     LEASE_FORMAT,
     LEASE_NAME,
-    LOCK_NAME,
     LockBusy,
     critical,
     holder_gone,
@@ -73,12 +72,11 @@ from checkpointd.leasefile import (
     local_read,
     local_replace,
     parse_lease,
-    read_lease,
-)
+    )
 from checkpointd.storage.store import Store
 from checkpointd.version import VERSION
 
-__all__ = ["DEFAULT_TIMEOUT_SECS", "LEASE_NAME", "LOCK_NAME", "RootLease", "read_lease"]
+__all__ = ["DEFAULT_TIMEOUT_SECS", "LEASE_NAME", "RootLease"]
 
 logger = logging.getLogger("checkpointd")
 

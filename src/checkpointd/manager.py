@@ -39,6 +39,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from checkpointd.storage import recyclebin
 from checkpointd.codecs.compress import get_codec
 from checkpointd.errors import CheckpointError, ConfigError
 from checkpointd.format.mdlus import is_physicsnemo_module, mdlus_json_members
@@ -57,7 +58,7 @@ from checkpointd.save.savejob import blank_file_sizes, files_ahead, prewarm_redu
 from checkpointd.save.snapshot import Snapshotter
 from checkpointd.save.writer import BackgroundWriter
 from checkpointd.state import build_entries, build_files, clean_metrics
-from checkpointd.storage import recycle, writemode
+from checkpointd.storage import writemode
 
 logger = logging.getLogger("checkpointd")
 
@@ -161,7 +162,7 @@ class CheckpointManager:
         # several times slower (page faults and cudaHostRegister contend), and a restore comes first.
         self._buffers_pending = True
         self._files_ahead: Any = None
-        """Blank files for the first saves (``recycle.FilesAhead``), made with the staging buffers; False: none."""
+        """Blank files for the first saves (``filesahead.FilesAhead``), made with the staging buffers; False: none."""
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -382,7 +383,7 @@ class CheckpointManager:
             self._files_ahead.stop()
         if self._store.is_local:
             try:
-                recycle.empty(self._store)  # retired files kept for the next save: there is none
+                recyclebin.empty(self._store)  # retired files kept for the next save: there is none
             except OSError as exc:
                 logger.warning("checkpointd: cannot empty the recycling bin under %s: %s", self._store.display(), exc)
         if self._dist is not None:
@@ -436,7 +437,7 @@ class CheckpointManager:
 
     def _files_ahead_wait(self) -> bool:
         """Blank files made ahead wait while staging buffers are page-locked or a save writes: either
-        competes with their making for the same memory (``recycle.FilesAhead``)."""
+        competes with their making for the same memory (``filesahead.FilesAhead``)."""
         return self._snap.preparing() or self._inflight.writing()
 
     def _saves_started(self) -> int:

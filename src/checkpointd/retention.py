@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
+from checkpointd.storage import recyclebin
 from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.storage import recycle
@@ -47,7 +48,7 @@ def apply_retention(store: Store, policy: RetentionPolicy, just_committed: int, 
     retirement = None
     for s in committed:
         if s not in keep and s not in protected and s != newest:
-            if retirement is None and recycle.enabled(store):
+            if retirement is None and recyclebin.enabled(store):
                 retirement = recycle.Retirement(store, dirs.get(just_committed, layout.step_dir_name(just_committed)))
             commit.uncommit_and_remove(store, dirs.get(s, layout.step_dir_name(s)),
                                        recycle=retirement.retire if retirement is not None else None)

@@ -18,7 +18,8 @@ import torch
 
 from checkpointd import CheckpointManager, CheckpointWriteError, load
 from checkpointd.storage import filesahead, recyclebin
-from checkpointd.storage.store import LinkedPathError, Store
+from checkpointd.errors import LinkedPathError
+from checkpointd.storage.store import Store
 
 from . import craft
 from .conftest import fingerprint

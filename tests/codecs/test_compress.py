@@ -10,6 +10,10 @@ import subprocess
 import pytest
 import torch
 
+from checkpointd.codecs import container
+from checkpointd.codecs import crc as codecs_crc
+from checkpointd.codecs import plane_kernels as codecs_plane_kernels
+from checkpointd.codecs import zstd_frames
 from checkpointd.format import serialize
 from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec
 from checkpointd.errors import ConfigError, CorruptCheckpointError
@@ -291,10 +295,10 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
     itemsize = dtype.itemsize
     raw = values.to(dtype).view(torch.uint8).numpy().tobytes()
     expected = _reference_planes(raw, itemsize)
-    planes = kernels.to_planes(memoryview(raw), itemsize)
+    planes = codecs_plane_kernels.to_planes(memoryview(raw), itemsize)
     assert [bytes(p) for p in planes] == expected
     out = np.zeros(len(raw), dtype=np.uint8)
-    kernels.from_planes([np.frombuffer(p, dtype=np.uint8) for p in expected], out)
+    codecs_plane_kernels.from_planes([np.frombuffer(p, dtype=np.uint8) for p in expected], out)
     assert out.tobytes() == raw
     # whole chunks with an odd tail (partial element), every plane raw and every plane compressed
     for tail in (b"", b"\x7f\x01\x02"[: itemsize - 1]):
@@ -303,7 +307,7 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
             parts = kernels.encode_planes(chunk, itemsize, worth)
             assert [bytes(p) for p in parts[1 : 1 + itemsize] if not worth[0]] == (expected if not worth[0] else [])
             body = b"".join(bytes(p) for p in parts)
-            frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+            frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
             decoded = np.zeros(len(chunk), dtype=np.uint8)
             kernels.decode_chunk_into(memoryview(frame), decoded)
             assert decoded.tobytes() == bytes(chunk)
@@ -320,13 +324,13 @@ def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
     values[::400] = 0.0
     values[: min(numel, 3)] = torch.tensor([float("inf"), 1e30, -0.0])[: min(numel, 3)]
     raw = values.view(torch.uint8).numpy().tobytes() + b"\x05"
-    planes = kernels.to_planes(memoryview(raw), 4)
+    planes = codecs_plane_kernels.to_planes(memoryview(raw), 4)
     base = max(0, int(np.bincount(planes[3], minlength=256).argmax()) - 7)
     parts = kernels.encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
     body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     mode = kernels._PLANE.unpack_from(body, kernels._CHUNK_HEADER.size + 3 * kernels._PLANE.size)[0]
     assert mode == (2 if numel > 10_000 else mode)
-    frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -344,13 +348,13 @@ def test_planes_chunks_with_a_crc_of_raw_planes_only_decode() -> None:
     from checkpointd.codecs import planes as kernels
 
     raw = (torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 0.02).view(torch.uint8).numpy().tobytes()
-    planes = kernels.to_planes(memoryview(raw), 4)
+    planes = codecs_plane_kernels.to_planes(memoryview(raw), 4)
     exponent = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(planes[3].tobytes())
     stored = [planes[0].tobytes(), planes[1].tobytes(), planes[2].tobytes(), exponent]
-    crc = kernels.crc32(b"".join(stored[:3]))
+    crc = codecs_crc.crc32(b"".join(stored[:3]))
     table = b"".join(kernels._PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
     body = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
-    frame = kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -370,7 +374,7 @@ def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtyp
     raw = values.to(dtype).view(torch.uint8).numpy().tobytes() + b"\x11"
     itemsize = kernels.plane_itemsize(dtype)
     expected = _reference_planes(raw[: len(raw) // itemsize * itemsize], itemsize)
-    assert [bytes(p) for p in kernels.to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
+    assert [bytes(p) for p in codecs_plane_kernels.to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
     frame = b"".join(bytes(memoryview(p).cast("B")) for p in kernels.encode_chunk(memoryview(raw), dtype, 1))
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
@@ -386,9 +390,9 @@ def _planes_frame(kernels, itemsize: int, stored: list[tuple[int, bytes]], nativ
     blobs = b"".join(blob for _, blob in stored)
     table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
     flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
-    header = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, itemsize, flags, native, kernels.crc32(blobs))
+    header = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, itemsize, flags, native, codecs_crc.crc32(blobs))
     body = header + table + blobs
-    return kernels.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    return container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
 
 
 @pytest.mark.parametrize("escapes", [0, 1, 2, 5])
@@ -407,11 +411,11 @@ def test_nibble_plane_escapes_are_counted_exactly(escapes: int) -> None:
     padded = np.concatenate([codes, np.zeros(2 * half - count, np.uint8)])
     escaped = hi[codes == 15]
     expected = np.zeros(2 * count, dtype=np.uint8)
-    kernels.from_planes([lo, hi], expected)
+    codecs_plane_kernels.from_planes([lo, hi], expected)
 
     def frame(claimed: int, values: np.ndarray) -> memoryview:
         packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
-        nibbles = kernels.NIBBLES.pack(base, claimed) + kernels.plane_compressor().compress(packed)
+        nibbles = codecs_plane_kernels.NIBBLES.pack(base, claimed) + zstd_frames.plane_compressor().compress(packed)
         stored = [(kernels._MODE_RAW, lo.tobytes()), (kernels._MODE_NIBBLES, nibbles)]
         return memoryview(_planes_frame(kernels, 2, stored, 2 * count))
 
@@ -433,7 +437,7 @@ def test_zstd_plane_of_the_wrong_size_is_corrupt(extra: int) -> None:
 
     count = 1000
     plane = bytes(range(256)) * 4
-    wrong = kernels.plane_compressor().compress(plane[: count + extra])
+    wrong = zstd_frames.plane_compressor().compress(plane[: count + extra])
     stored = [(kernels._MODE_RAW, plane[:count]), (kernels._MODE_ZSTD, wrong)]
     decoded = np.zeros(2 * count, dtype=np.uint8)
     with pytest.raises(CorruptCheckpointError, match="decodes to"):

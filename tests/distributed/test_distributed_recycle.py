@@ -17,10 +17,10 @@ import torch.nn as nn
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
 from tree_compare import big_files
 
+from checkpointd.storage import recyclebin
 from checkpointd import CheckpointManager, DistributedOptions, StagingOptions
-from checkpointd.storage import recycle
 
-pytestmark = pytest.mark.skipif(recycle.F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
+pytestmark = pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
 WIDTH = 2560  # a rank's shard of the model: 2 x 2560^2 / 2 fp32 = 26 MB, its AdamW state twice that
 
@@ -135,18 +135,18 @@ def test_every_rank_of_a_host_writes_its_first_saves_into_files_made_ahead(tmp_p
     (made0, blank, written, recycled0), (made1, _, _, recycled1) = results
     assert len(made0) == 2 and len(made1) == 2  # each rank: one shard file a save, two saves
     assert recycled0 == recycled1 == [1, 1]  # stats() of each rank: its shard file written over a blank one
-    blank_inodes = {v for k, v in blank.items() if k.startswith(recycle.BIN_NAME)}
+    blank_inodes = {v for k, v in blank.items() if k.startswith(recyclebin.BIN_NAME)}
     assert len(blank_inodes) == 4 and not any(k.startswith("step-") for k in blank)
     saved = {v for k, v in written.items() if k.startswith("step-")}
     assert len(saved) == 2  # keep_last=1: step 1's two shard files (step 0's retired into the bin)
     assert saved <= blank_inodes  # both ranks' second saves wrote over blank files
-    first = {v for k, v in written.items() if k.startswith(recycle.BIN_NAME)}
+    first = {v for k, v in written.items() if k.startswith(recyclebin.BIN_NAME)}
     assert first == blank_inodes - saved  # step 0's, retired, are the other two blank files
 
 
 def _check_recycling(seen: list[dict[str, int]], left: list[str]) -> None:
     by_step = [{v for k, v in s.items() if k.startswith("step-")} for s in seen]
-    binned = [{v for k, v in s.items() if k.startswith(recycle.BIN_NAME)} for s in seen]
+    binned = [{v for k, v in s.items() if k.startswith(recyclebin.BIN_NAME)} for s in seen]
     assert len(by_step[0]) == 2  # one shard file a rank
     assert binned[0] == set() and binned[1] == by_step[0]  # step 0 retired after step 1 committed
     assert by_step[2] == by_step[0] and by_step[3] == by_step[1]  # each rank took a retired file

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from checkpointd.storage import ziplayout
 from checkpointd.storage import ptlayout
 from checkpointd.format.serialize import ReductionCache, plan_pt, storage_view, write_pt
 
@@ -229,7 +230,7 @@ def test_reduction_cache_keeps_record_views_that_the_layout_writes(tmp_path):
     for key, holder in plan.storages:
         assert bytes(plan.views[key]) == bytes(storage_view(holder))
     path = str(tmp_path / "cached.pt")
-    ptlayout.write_file(path, ptlayout.pt_image(plan), chunk_bytes=1 << 10)
+    ptlayout.write_file(path, ziplayout.pt_image(plan), chunk_bytes=1 << 10)
     got = torch.load(path, weights_only=True)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+from checkpointd.restore import bounce
 from checkpointd import options
 from checkpointd.native import cuda_rtc, loader
 from checkpointd.native import upload as upload_native
-from checkpointd.restore import bulkcopy
 
 VP = ctypes.c_void_p
 PVP = ctypes.POINTER(ctypes.c_void_p)
@@ -205,7 +205,7 @@ def test_without_the_library_restores_take_the_python_bounce(setting, tmp_path, 
         monkeypatch.setattr(upload_native.LIBRARY, "abi", ("cpd_upload_abi", upload_native.ABI + 1))
     upload_native.reset()
     try:
-        assert not bulkcopy.uploads_off_gil()
+        assert not bounce.uploads_off_gil()
         assert upload_native.library() is None and upload_native.why_not
         with pytest.raises(upload_native.UploadError, match="native upload unavailable"):
             upload_native.upload_pairs([], [], 1)
@@ -217,7 +217,7 @@ def test_the_library_built_at_install_is_loaded_from_the_package_folder(lib) -> 
     built = loader.built_library(upload_native.LIBRARY.folder, "upload_native")
     assert built is not None and lib._name == str(built) and lib.cpd_upload_abi() == upload_native.ABI
     assert built.parent == Path(upload_native.__file__).resolve().parent
-    assert bulkcopy.uploads_off_gil()  # restores use it wherever it loads
+    assert bounce.uploads_off_gil()  # restores use it wherever it loads
 
 
 class _FakeEvent:

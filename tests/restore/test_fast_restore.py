@@ -12,6 +12,8 @@ import zlib
 import pytest
 import torch
 
+from checkpointd.restore import verify
+from checkpointd.storage import iopool
 from checkpointd import CheckpointManager
 from checkpointd.restore import fastload
 from checkpointd.restore import step as restore
@@ -156,7 +158,7 @@ def test_files_are_parsed_once_and_only_after_they_verify(tmp_path, monkeypatch,
         calls = []
         checked: list[str] = []
         real = fastload.load_native_in_place
-        real_check = restore_mod.check_file
+        real_check = verify.check_file
 
         def parse(buf, fmt):
             assert len(checked) == len(calls) + 1, "a file was parsed before its checksum was compared"
@@ -174,11 +176,10 @@ def test_files_are_parsed_once_and_only_after_they_verify(tmp_path, monkeypatch,
 
 
 def test_run_tasks_runs_meanwhile_once_on_every_path() -> None:
-    from checkpointd.storage import ptlayout
 
     for n, lanes in ((0, None), (1, None), (5, None), (5, 2)):
         log: list[str] = []
-        out = ptlayout.run_tasks([lambda i=i: i * i for i in range(n)], lanes=lanes, meanwhile=lambda: log.append("m"))
+        out = iopool.run_tasks([lambda i=i: i * i for i in range(n)], lanes=lanes, meanwhile=lambda: log.append("m"))
         assert out == [i * i for i in range(n)] and log == ["m"], (n, lanes)
 
 

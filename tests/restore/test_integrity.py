@@ -16,7 +16,8 @@ import torch
 from checkpointd import CheckpointManager, CorruptCheckpointError
 from checkpointd.cli import main
 from checkpointd.format.manifest import FORMAT_VERSION
-from checkpointd.restore.partial import CheckpointFile, load_tensor, load_tensors
+from checkpointd.restore.checkpoint_file import CheckpointFile
+from checkpointd.restore.partial import load_tensor, load_tensors
 from checkpointd.storage.store import Store
 from checkpointd.testing.tamper import rewrite_manifest
 from checkpointd.restore.verify import verify_step

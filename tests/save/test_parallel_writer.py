@@ -11,6 +11,8 @@ import zlib
 import pytest
 import torch
 
+from checkpointd.save import job as save_job
+from checkpointd.storage import ziplayout
 from checkpointd import CheckpointManager
 from checkpointd.codecs import crc
 from checkpointd.storage import ptlayout
@@ -54,11 +56,11 @@ def test_crc32_combine_matches_zlib_on_random_splits(seed: int) -> None:
     assert crc.crc32(data) == zlib.crc32(data)
 
 
-@pytest.mark.parametrize("zip64_limit", [ptlayout.ZIP64_LIMIT, 4096, 16])
+@pytest.mark.parametrize("zip64_limit", [ziplayout.ZIP64_LIMIT, 4096, 16])
 def test_pt_loads_with_torch_and_zipfile(tmp_path, zip64_limit: int) -> None:
     obj = _state()
     path = str(tmp_path / "x.pt")
-    result = ptlayout.write_file(path, ptlayout.pt_image(plan_pt(obj), zip64_limit=zip64_limit), chunk_bytes=256 << 10)
+    result = ptlayout.write_file(path, ziplayout.pt_image(plan_pt(obj), zip64_limit=zip64_limit), chunk_bytes=256 << 10)
     data = open(path, "rb").read()
     assert result.nbytes == len(data) and result.crc == zlib.crc32(data)
     with zipfile.ZipFile(path) as zf:
@@ -71,22 +73,22 @@ def test_pt_loads_with_torch_and_zipfile(tmp_path, zip64_limit: int) -> None:
 
 def test_large_records_are_aligned(tmp_path) -> None:
     obj = _state()
-    img = ptlayout.pt_image(plan_pt(obj))
+    img = ziplayout.pt_image(plan_pt(obj))
     for m in img.members:
-        if m.size >= ptlayout.LARGE_RECORD_BYTES:
-            assert m.data_offset % ptlayout.LARGE_ALIGN == 0
+        if m.size >= ziplayout.LARGE_RECORD_BYTES:
+            assert m.data_offset % ziplayout.LARGE_ALIGN == 0
         elif m.name.startswith(b"archive/data/"):
-            assert m.data_offset % ptlayout.SMALL_ALIGN == 0
+            assert m.data_offset % ziplayout.SMALL_ALIGN == 0
 
 
-@pytest.mark.parametrize("zip64_limit", [ptlayout.ZIP64_LIMIT, 64])
+@pytest.mark.parametrize("zip64_limit", [ziplayout.ZIP64_LIMIT, 64])
 def test_mdlus_nested_image(tmp_path, zip64_limit: int) -> None:
     from checkpointd.format.mdlus import load_mdlus_state_dict
 
     obj = {"a.weight": torch.randn(70_000), "a.bias": torch.randn(7)}
     path = str(tmp_path / "m.mdlus")
     members = {"args.json": b'{"__name__": "M"}', "metadata.json": b"{}"}
-    result = ptlayout.write_file(path, ptlayout.mdlus_image(members, plan_pt(obj), zip64_limit=zip64_limit),
+    result = ptlayout.write_file(path, ziplayout.mdlus_image(members, plan_pt(obj), zip64_limit=zip64_limit),
                                  chunk_bytes=64 << 10)
     data = open(path, "rb").read()
     assert result.crc == zlib.crc32(data)
@@ -102,7 +104,7 @@ def test_mdlus_nested_image(tmp_path, zip64_limit: int) -> None:
 
 def test_write_one_file_checksum_is_file_crc(tmp_path) -> None:
     store = Store(str(tmp_path))
-    job = writer.FileJob("f.pt", "pt", plan_pt(_state()), {})
+    job = save_job.FileJob("f.pt", "pt", plan_pt(_state()), {})
     assert writer.parallel_write_applies(store, get_codec("none"), job)
     entry = writer.write_one_file(store, get_codec("none"), "step-1", job)
     data = (tmp_path / "step-1" / "f.pt").read_bytes()
@@ -114,9 +116,9 @@ def test_write_one_file_checksum_is_file_crc(tmp_path) -> None:
 def test_streaming_and_parallel_files_hold_the_same_content(tmp_path, monkeypatch) -> None:
     store = Store(str(tmp_path))
     none = get_codec("none")
-    par = writer.write_one_file(store, none, "a", writer.FileJob("f.pt", "pt", plan_pt(_state()), {}))
+    par = writer.write_one_file(store, none, "a", save_job.FileJob("f.pt", "pt", plan_pt(_state()), {}))
     monkeypatch.setattr(writer, "parallel_write_applies", lambda *a: False)  # the streaming writer (codecs, object stores)
-    job = writer.FileJob("f.pt", "pt", plan_pt(_state()), {})
+    job = save_job.FileJob("f.pt", "pt", plan_pt(_state()), {})
     seq = writer.write_one_file(store, none, "b", job)
     assert par.format == seq.format == "pt"
     a = torch.load(tmp_path / "a" / "f.pt", weights_only=True)
@@ -137,7 +139,7 @@ def test_failure_mid_write_removes_the_partial_file(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(ptlayout.os, "pwrite", flaky)
     path = tmp_path / "x.pt"
     with pytest.raises(OSError, match="No space"):
-        ptlayout.write_file(str(path), ptlayout.pt_image(plan_pt(_state())), chunk_bytes=64 << 10)
+        ptlayout.write_file(str(path), ziplayout.pt_image(plan_pt(_state())), chunk_bytes=64 << 10)
     assert not path.exists()
 
 

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from checkpointd.save import planning
 from checkpointd import CheckpointManager, load
 from checkpointd.testing.faults import Fault, FaultPlan
 from tree_compare import assert_tree_equal
@@ -118,7 +119,6 @@ def test_buffers_prepared_ahead_are_pickled_there_so_the_first_save_hits_the_cac
     import time
 
     from checkpointd import CheckpointManager, load
-    from checkpointd.save import savejob
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
@@ -131,11 +131,11 @@ def test_buffers_prepared_ahead_are_pickled_there_so_the_first_save_hits_the_cac
         while mgr._snap._preparing and time.monotonic() < deadline:
             time.sleep(0.01)
         arena = mgr._snap._arenas[0]
-        assert all(savejob.REDUCTIONS.get(b, ("cpu",)) is not None for b in arena.buffers if b.numel())
-        misses = savejob.REDUCTIONS.misses
+        assert all(planning.REDUCTIONS.get(b, ("cpu",)) is not None for b in arena.buffers if b.numel())
+        misses = planning.REDUCTIONS.misses
         mgr.save(1)
         mgr.wait()
-        assert savejob.REDUCTIONS.misses == misses
+        assert planning.REDUCTIONS.misses == misses
     restored = load(tmp_path, step=1)
     for k, v in model.state_dict().items():
         assert torch.equal(restored["model"][k], v), k

@@ -2,7 +2,7 @@
 
 - ``gcfreeze``: full garbage collections triggered by a save's objects must not walk the whole heap;
 - the writer pickles and lays out the files *before* waiting for the snapshot copies;
-- ``ptlayout.run_tasks(lanes=...)``: a file is written by a bounded number of threads.
+- ``iopool.run_tasks(lanes=...)``: a file is written by a bounded number of threads.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import weakref
 import pytest
 import torch
 
+from checkpointd.storage import iopool
 from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.save import gcfreeze
-from checkpointd.storage import ptlayout
 from checkpointd import load
 
 
@@ -214,7 +214,7 @@ def test_run_tasks_lanes_bound_concurrency_and_keep_order() -> None:
             return i * i
         return run
 
-    out = ptlayout.run_tasks([task(i) for i in range(40)], lanes=3)
+    out = iopool.run_tasks([task(i) for i in range(40)], lanes=3)
     assert out == [i * i for i in range(40)]
     assert 1 <= peak[0] <= 3, peak[0]
 
@@ -232,7 +232,7 @@ def test_run_tasks_lanes_stop_after_a_failure() -> None:
         return run
 
     with pytest.raises(OSError, match="disk on fire"):
-        ptlayout.run_tasks([task(i) for i in range(200)], lanes=2)
+        iopool.run_tasks([task(i) for i in range(200)], lanes=2)
     assert len(ran) < 200, "tasks after the failure must not start"
 
 

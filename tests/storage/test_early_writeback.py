@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpointd.storage import ziplayout
 from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.storage import fsinfo
 from checkpointd.storage import persist_process
@@ -74,7 +75,7 @@ def test_in_process_writer_hands_every_data_range_to_the_disk(tmp_path: Path, mo
     calls = _record_writebacks(monkeypatch)
     state = _state()
     path = str(tmp_path / "w.pt")
-    image = ptlayout.pt_image(plan_pt(state))
+    image = ziplayout.pt_image(plan_pt(state))
     result = ptlayout.write_file(path, image, chunk_bytes=256 << 10)  # plain CPU tensors: written in-process
     data = Path(path).read_bytes()
     assert result.crc == zlib.crc32(data) and result.nbytes == len(data)
@@ -94,7 +95,7 @@ def test_no_writeback_requested_on_memory_filesystems(tmp_path: Path, monkeypatc
     monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: "tmpfs")
     calls: list[Any] = []
     monkeypatch.setattr(fsinfo, "start_writeback", lambda *a: calls.append(a) or True)
-    ptlayout.write_file(str(tmp_path / "m.pt"), ptlayout.pt_image(plan_pt(_state())), chunk_bytes=256 << 10)
+    ptlayout.write_file(str(tmp_path / "m.pt"), ziplayout.pt_image(plan_pt(_state())), chunk_bytes=256 << 10)
     assert calls == []
 
 

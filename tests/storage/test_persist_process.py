@@ -595,7 +595,7 @@ def test_turned_off_nothing_is_shared_and_no_process_starts(tmp_path: Path) -> N
         from checkpointd import CheckpointManager
         from checkpointd.storage import persist_process
         from checkpointd.storage import sharedmem
-        from checkpointd.save.snapshot import StagingArena
+        from checkpointd.save.arena import StagingArena
         assert not sharedmem.supported()
         arena = StagingArena([((1000,), (1,), torch.float32)], pin=False)
         assert arena._shared is None

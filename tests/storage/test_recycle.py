@@ -29,7 +29,7 @@ from checkpointd.storage.store import Store
 
 pytestmark = pytest.mark.skipif(recyclebin.F_SETLEASE is None, reason="needs Linux leases (F_SETLEASE)")
 
-BIN = recycle.BIN_NAME
+BIN = recyclebin.BIN_NAME
 
 
 @pytest.fixture(params=["auto", "mmap"])
@@ -67,7 +67,7 @@ def _digest(path) -> str:
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_saves_write_over_retired_files_and_restore_bit_exact(tmp_path, compression, write_mode, monkeypatch):
     monkeypatch.setattr(filesahead, "FILES_AHEAD_SETS", 0)  # the bin holds retired files only (files made ahead: below)
-    model = _state(rows=2560)  # 20 MiB: compressed with zstd still above recycle.MIN_RECYCLE_BYTES
+    model = _state(rows=2560)  # 20 MiB: compressed with zstd still above recyclebin.MIN_RECYCLE_BYTES
     seen_inodes: list[set[int]] = []
     recycled: list[tuple[int, int]] = []
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1,
@@ -167,12 +167,12 @@ def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, mon
         os.ftruncate(fd, length)
 
     monkeypatch.setattr(filesahead.os, "posix_fallocate", full)
-    ahead = recycle.FilesAhead(store, [64 << 20, 32 << 20], sets=2)
+    ahead = filesahead.FilesAhead(store, [64 << 20, 32 << 20], sets=2)
     ahead.start()
     ahead.wait(30)
     assert ahead.made == [64 << 20] and len(calls) == 2
     assert [n.endswith(".bin") for n in os.listdir(tmp_path / BIN)] == [True]  # the failed one is gone
-    again = recycle.FilesAhead(store, [64 << 20], sets=1)  # the bin holds a file: a new run makes none
+    again = filesahead.FilesAhead(store, [64 << 20], sets=1)  # the bin holds a file: a new run makes none
     again.start()
     again.wait(30)
     assert again.made == []
@@ -180,9 +180,9 @@ def test_files_ahead_stop_at_a_failure_and_leave_nothing_half_made(tmp_path, mon
 
 _MAKE_AHEAD_AND_WAIT = """
 import sys
-from checkpointd.storage import recycle
+from checkpointd.storage import filesahead
 from checkpointd.storage.store import Store
-ahead = recycle.FilesAhead(Store(sys.argv[1]), [int(sys.argv[2])], sets=1)
+ahead = filesahead.FilesAhead(Store(sys.argv[1]), [int(sys.argv[2])], sets=1)
 ahead.start()
 ahead.wait(60)
 print(len(ahead.made), flush=True)
@@ -199,7 +199,7 @@ def test_each_rank_of_a_host_makes_its_own_files_ahead(tmp_path):
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "1"  # the other rank made its file and runs on
-        mine = recycle.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)
+        mine = filesahead.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)
         mine.start()
         mine.wait(30)
         assert mine.made == [nbytes]
@@ -212,7 +212,7 @@ def test_each_rank_of_a_host_makes_its_own_files_ahead(tmp_path):
                            input="", capture_output=True, text=True, timeout=60)
     assert later.stdout.strip() == "0", later.stderr
     assert len(os.listdir(tmp_path / BIN)) == 2
-    again = recycle.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)  # this process's own file: a leftover
+    again = filesahead.FilesAhead(Store(str(tmp_path)), [nbytes], sets=1)  # this process's own file: a leftover
     again.start()
     again.wait(30)
     assert again.made == []
@@ -235,7 +235,7 @@ def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, mo
 
     monkeypatch.setattr(filesahead.os, "pwrite", pwrite)
     nbytes = 20 << 20
-    ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=1)
+    ahead = filesahead.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=1)
     ahead.start()
     ahead.wait(30)
     assert ahead.made == [nbytes]
@@ -245,7 +245,7 @@ def test_blank_files_on_a_memory_file_system_are_written_with_zeros(tmp_path, mo
     if fstype == "tmpfs":
         assert max(writes) == filesahead.ZERO_WRITE_BYTES
         busy = threading.Event()
-        stopper = recycle.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=1, busy=busy.is_set)
+        stopper = filesahead.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=1, busy=busy.is_set)
 
         def pwrite_then_busy(fd, data, offset):
             busy.set()  # the staging buffers are being prepared: the zeros wait, then stop() ends them
@@ -265,7 +265,7 @@ def test_files_ahead_wait_while_the_staging_buffers_are_prepared(tmp_path):
     waiting, none is made at all."""
     busy = threading.Event()
     busy.set()
-    ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [32 << 20], sets=2, busy=busy.is_set)
+    ahead = filesahead.FilesAhead(Store(str(tmp_path / "a")), [32 << 20], sets=2, busy=busy.is_set)
     ahead.start()
     time.sleep(0.4)
     assert ahead.made == [] and not (tmp_path / "a" / BIN).exists()
@@ -273,7 +273,7 @@ def test_files_ahead_wait_while_the_staging_buffers_are_prepared(tmp_path):
     ahead.wait(30)
     assert ahead.made == [32 << 20, 32 << 20]
     busy.set()
-    stopped = recycle.FilesAhead(Store(str(tmp_path / "b")), [32 << 20], sets=1, busy=busy.is_set)
+    stopped = filesahead.FilesAhead(Store(str(tmp_path / "b")), [32 << 20], sets=1, busy=busy.is_set)
     stopped.start()
     t0 = time.monotonic()
     stopped.stop()
@@ -347,7 +347,7 @@ def test_files_ahead_are_made_only_for_saves_not_yet_begun(tmp_path, monkeypatch
     monkeypatch.setattr(fsinfo, "fd_filesystem_type", lambda fd: "tmpfs")  # zeros are written
     started = [1]
     nbytes = 24 << 20
-    ahead = recycle.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=2, saves_started=lambda: started[0])
+    ahead = filesahead.FilesAhead(Store(str(tmp_path / "a")), [nbytes], sets=2, saves_started=lambda: started[0])
     ahead.start()
     ahead.wait(30)
     assert ahead.made == [nbytes] and ahead.given_up == 0  # the second save's file only
@@ -369,13 +369,13 @@ def test_files_ahead_are_made_only_for_saves_not_yet_begun(tmp_path, monkeypatch
 
     monkeypatch.setattr(filesahead.os, "pwrite", pwrite)
     started[0] = 1
-    late = recycle.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=2, saves_started=lambda: started[0])
+    late = filesahead.FilesAhead(Store(str(tmp_path / "b")), [nbytes], sets=2, saves_started=lambda: started[0])
     late.start()
     late.wait(30)
     assert late.made == [] and late.given_up == 1
     assert len(writes) == 2 < nbytes // filesahead.ZERO_WRITE_BYTES  # given up midway, not finished
     assert os.listdir(tmp_path / "b" / BIN) == []  # and removed
-    none_left = recycle.FilesAhead(Store(str(tmp_path / "c")), [nbytes], sets=2, saves_started=lambda: 2)
+    none_left = filesahead.FilesAhead(Store(str(tmp_path / "c")), [nbytes], sets=2, saves_started=lambda: 2)
     none_left.start()
     none_left.wait(30)
     assert none_left.made == [] and not (tmp_path / "c" / BIN).exists()
@@ -412,7 +412,7 @@ def test_files_ahead_follow_the_optimizer_state_that_appears_after_the_first_pre
 
 def test_files_ahead_make_what_a_new_layout_is_missing(tmp_path):
     mb = 1 << 20
-    ahead = recycle.FilesAhead(Store(str(tmp_path)), [20 * mb], sets=2)
+    ahead = filesahead.FilesAhead(Store(str(tmp_path)), [20 * mb], sets=2)
     ahead.start()
     ahead.wait(30)
     assert ahead.made == [20 * mb, 20 * mb]
@@ -430,12 +430,12 @@ def test_a_file_much_larger_than_needed_is_left_for_a_larger_one(tmp_path):
     mb = 1 << 20
     with open(bin_ / "big.bin", "wb") as f:
         f.truncate(100 * mb)
-    assert not recycle.take(str(bin_), str(tmp_path / "small.pt"), 40 * mb)
-    assert recycle.take(str(bin_), str(tmp_path / "fits.pt"), 70 * mb)
+    assert not recyclebin.take(str(bin_), str(tmp_path / "small.pt"), 40 * mb)
+    assert recyclebin.take(str(bin_), str(tmp_path / "fits.pt"), 70 * mb)
     assert os.path.getsize(tmp_path / "fits.pt") == 100 * mb
     with open(bin_ / "smaller.bin", "wb") as f:
         f.truncate(20 * mb)
-    assert recycle.take(str(bin_), str(tmp_path / "larger.pt"), 90 * mb)  # e.g. compressed: asked for its raw size
+    assert recyclebin.take(str(bin_), str(tmp_path / "larger.pt"), 90 * mb)  # e.g. compressed: asked for its raw size
 
 
 def _step_file(root, step: int) -> str:
@@ -516,14 +516,14 @@ def test_take_prefers_the_smallest_file_that_fits(tmp_path):
     _bin_file(d, "b.bin", 40 * mib)
     _bin_file(d, "d.checking", 50 * mib)  # still being checked: never taken
     _bin_file(d, "c.bin", 30 * mib)
-    assert recycle.take(str(d), str(tmp_path / "x"), 25 * mib)
+    assert recyclebin.take(str(d), str(tmp_path / "x"), 25 * mib)
     assert os.path.getsize(tmp_path / "x") == 30 * mib
-    assert recycle.take(str(d), str(tmp_path / "y"), 50 * mib)  # none fits: the largest left
+    assert recyclebin.take(str(d), str(tmp_path / "y"), 50 * mib)  # none fits: the largest left
     assert os.path.getsize(tmp_path / "y") == 40 * mib
-    assert not recycle.take(str(d), str(tmp_path / "z"), 1024)  # small files are never recycled
-    assert recycle.take(str(d), str(tmp_path / "z"), 20 * mib)
-    assert not recycle.take(str(d), str(tmp_path / "w"), 20 * mib)  # only the file being checked is left
-    assert not recycle.take(str(tmp_path / "no-bin"), str(tmp_path / "w"), 20 * mib)
+    assert not recyclebin.take(str(d), str(tmp_path / "z"), 1024)  # small files are never recycled
+    assert recyclebin.take(str(d), str(tmp_path / "z"), 20 * mib)
+    assert not recyclebin.take(str(d), str(tmp_path / "w"), 20 * mib)  # only the file being checked is left
+    assert not recyclebin.take(str(tmp_path / "no-bin"), str(tmp_path / "w"), 20 * mib)
 
 
 def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
@@ -542,7 +542,7 @@ def test_retirement_keeps_at_most_what_the_next_save_needs(tmp_path):
     assert sorted(n for _, n in recyclebin.bin_entries(str(tmp_path / BIN))) == [20 * mib, 30 * mib]
     assert retirement.recycled_bytes == 50 * mib
     assert sorted(os.listdir(tmp_path / "step-000000002")) == ["f0", "f1"]  # over budget: left to be deleted
-    recycle.empty(store)
+    recyclebin.empty(store)
     assert not (tmp_path / BIN).exists()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpointd.storage import iopool
 from checkpointd import CheckpointManager, CheckpointWriteError, IOOptions, load, options
 from checkpointd.format.manifest import Manifest
 from checkpointd.storage import writemode
@@ -62,12 +63,11 @@ def test_mmap_mode_disk_full_is_a_clean_error(tmp_path: Path, monkeypatch: pytes
 def test_auto_mode_maps_files_on_tmpfs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto`` picks the mapping on tmpfs and positional writes elsewhere; the default is ``pwrite``."""
     from checkpointd.storage import fsinfo
-    from checkpointd.storage import ptlayout
 
     monkeypatch.setattr(writemode, "WRITE_MODE", None)
     fd = os.open(tmp_path / "default-probe", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        assert ptlayout.write_mode(fd) == "pwrite"
+        assert writemode.write_mode(fd) == "pwrite"
     finally:
         os.close(fd)
     monkeypatch.setattr(writemode, "WRITE_MODE", "auto")
@@ -77,14 +77,14 @@ def test_auto_mode_maps_files_on_tmpfs_only(tmp_path: Path, monkeypatch: pytest.
     for directory, expected in ((shm, "mmap"), (tmp_path, "mmap" if fsinfo.is_memory_backed(fsinfo.filesystem_type(str(tmp_path))) else "pwrite")):
         fd = os.open(directory / f"ckd-mode-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            assert ptlayout.write_mode(fd) == expected, directory
+            assert writemode.write_mode(fd) == expected, directory
         finally:
             os.close(fd)
             os.unlink(directory / f"ckd-mode-probe-{os.getpid()}")
     monkeypatch.setattr(writemode, "WRITE_MODE", "pwrite")
     fd = os.open(shm / f"ckd-mode-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        assert ptlayout.write_mode(fd) == "pwrite"  # an explicit choice wins
+        assert writemode.write_mode(fd) == "pwrite"  # an explicit choice wins
     finally:
         os.close(fd)
         os.unlink(shm / f"ckd-mode-probe-{os.getpid()}")
@@ -125,7 +125,7 @@ def _spy_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[Any]]
 
     fast: list[bool] = []
     seen_lanes: list[Any] = []
-    inner_file, inner_run = ptlayout.write_file, ptlayout.run_tasks
+    inner_file, inner_run = ptlayout.write_file, iopool.run_tasks
 
     def write_file(*a: Any, **k: Any) -> Any:
         fast.append(bool(k.get("fast", False)))
@@ -174,7 +174,6 @@ def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: p
 
     The in-process writers (no persist process: with one, every file's bytes go through it)."""
     from checkpointd.storage import fsinfo
-    from checkpointd.storage import ptlayout
     from checkpointd.storage import sharedmem
 
     monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
@@ -187,7 +186,7 @@ def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: p
         mgr.save(4)
     assert fast and all(f == (persist == "fast") for f in fast)
     mapped = persist == "fast" and fsinfo.is_memory_backed(fsinfo.filesystem_type(str(write_root)))
-    assert (6 if mapped else ptlayout.write_lanes()) in lanes
+    assert (6 if mapped else writemode.write_lanes()) in lanes
     assert (6 in lanes) == mapped
     _check_step(write_root / "step-000000004", model, 4)
 

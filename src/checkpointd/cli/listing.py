@@ -1,7 +1,7 @@
 """``checkpointd ls`` and ``checkpointd inspect``: what a root holds, and what one step or file holds.
 
 ``ls`` reads markers and manifests only (data is checked by ``verify``); ``inspect`` reads tensors'
-shapes and dtypes from the pickles alone, through :class:`checkpointd.restore.partial.CheckpointFile`,
+shapes and dtypes from the pickles alone, through :class:`checkpointd.restore.checkpoint_file.CheckpointFile`,
 without loading their data.
 """
 

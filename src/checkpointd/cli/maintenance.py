@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from checkpointd.storage import recyclebin
 from checkpointd import commit
 from checkpointd.cleanup import collect_garbage, human_secs, parse_duration
 from checkpointd.cli.exits import EXIT_FAILED, EXIT_OK, Usage
@@ -18,7 +19,6 @@ from checkpointd.errors import CheckpointError
 from checkpointd.export import export_step
 from checkpointd.format import layout
 from checkpointd.restore.verify import stored_bytes, verify_step
-from checkpointd.storage import recycle
 
 
 # -- verify -------------------------------------------------------------------------------------------
@@ -95,9 +95,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     failed = [r for r in results if r.action.startswith("failed")]
     # retired files kept for a next save (recycle.py): a crashed run leaves them; taking them from a
     # running job only makes its next save write new files
-    binned = recycle.contents(store) if store.is_local else (0, 0)
+    binned = recyclebin.contents(store) if store.is_local else (0, 0)
     if store.is_local and not args.dry_run:
-        recycle.empty(store)  # also a bin that is a link: removed as a link, never followed
+        recyclebin.empty(store)  # also a bin that is a link: removed as a link, never followed
     if args.json:
         print_json({"root": store.display(), "older_than_secs": grace, "dry_run": args.dry_run,
                      "dirs": [r.to_dict() for r in results],
@@ -105,7 +105,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         if binned[0]:
             print(f"{'would remove' if args.dry_run else 'removed'} {binned[0]} retired file(s), "
-                  f"{binned[1] / 1e9:.2f} GB, from {recycle.BIN_NAME}")
+                  f"{binned[1] / 1e9:.2f} GB, from {recyclebin.BIN_NAME}")
         for r in results:
             age = "age ?" if r.age_secs is None else f"age {fmt_age(r.age_secs)}"
             print(f"{r.action:<28} step {r.step:<12} {age:<12} {r.path}")

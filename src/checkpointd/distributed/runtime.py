@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from checkpointd.restore import per_entry
 from checkpointd import commit
 from checkpointd.restore import step as restore_mod
 from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
@@ -441,4 +442,4 @@ class DistributedRuntime:
         elif e.kind == "tensor":
             copy_into(e.obj, value, where)
         else:
-            restore_mod.apply_entry(e, materialize(value))
+            per_entry.apply_entry(e, materialize(value))

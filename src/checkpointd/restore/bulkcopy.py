@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from checkpointd.restore import device_image
-from checkpointd.restore.bounce import Pair, bounced_h2d, device_to_device, release_pinned, upload_bytes, uploads_off_gil
+from checkpointd.restore.bounce import Pair, bounced_h2d, device_to_device
 
 AUTO_MIN_BYTES = 32 << 20
 """Below this much host->device data for one device the bounce's threads cost more than they save: the
@@ -88,5 +88,4 @@ def copy_pairs(pairs: Sequence[Pair]) -> None:
                     d.copy_(s)
 
 
-__all__ = ["AUTO_MIN_BYTES", "copy_pairs", "flat_bytes", "is_dense", "raw_copyable", "release_pinned", "upload_bytes",
-           "uploads_off_gil"]
+__all__ = ["AUTO_MIN_BYTES", "copy_pairs", "flat_bytes", "is_dense", "raw_copyable"]

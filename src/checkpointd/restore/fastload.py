@@ -33,13 +33,14 @@ from typing import Any, Callable, cast
 
 import torch
 
+from checkpointd.storage import iopool
 from checkpointd.codecs.checksum import format_crc
 from checkpointd.codecs.compress import get_codec
 from checkpointd.codecs.crc import crc32, crc32_combine
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.mdlus import MODEL_MEMBER
 from checkpointd.format.streams import SeekableReader, byte_view
-from checkpointd.storage import pagemem, ptlayout
+from checkpointd.storage import pagemem
 from checkpointd.storage.localpaths import kind_of
 
 logger = logging.getLogger("checkpointd")
@@ -215,11 +216,11 @@ def read_file_verified(path: str, expected_size: int, where: str,
             if crc is not None:
                 return buf, size, format_crc(crc)
             view = byte_view(buf)
-            crcs = ptlayout.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges])
+            crcs = iopool.run_tasks([functools.partial(_crc_task, buf, view, a, b) for a, b in ranges])
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             view = byte_view(buf)
-            crcs = ptlayout.run_tasks([functools.partial(_read_task, fd, view, a, b) for a, b in ranges])
+            crcs = iopool.run_tasks([functools.partial(_read_task, fd, view, a, b) for a, b in ranges])
     finally:
         os.close(fd)
     crc = 0

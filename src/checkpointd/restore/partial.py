@@ -26,18 +26,14 @@ from checkpointd.format import layout
 from checkpointd.restore.checkpoint_file import (
     CheckpointFile,
     KeyPath,
-    TensorInfo,
-    iter_tensors,
     join_key,
-    lookup,
     split_key,
-    unsafe_or_corrupt,
-)
+    )
 from checkpointd.restore.verify import verify_file
 from checkpointd.storage.store import Store
 
-__all__ = ["CheckpointFile", "KeyPath", "TensorInfo", "codec_of", "format_of", "iter_tensors", "join_key", "load_tensor",
-           "load_tensors", "lookup", "open_file", "open_in_store", "split_key", "unsafe_or_corrupt"]
+__all__ = ["CheckpointFile", "KeyPath", "codec_of", "format_of", "join_key", "load_tensor",
+           "load_tensors", "open_file", "open_in_store", "split_key"]
 
 
 def open_file(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,

@@ -30,7 +30,7 @@ from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.restore import device_image, fastload
 from checkpointd.restore.apply import apply_entries
 from checkpointd.restore.assemble import assemble_full_values
-from checkpointd.restore.per_entry import apply_entry, check_compatible, match_optimizer_state_layout
+from checkpointd.restore.per_entry import check_compatible
 from checkpointd.restore.verify import check_file
 from checkpointd.rng import check_rng
 from checkpointd.state import RNG_KEY, Entry
@@ -249,6 +249,6 @@ def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
         apply_entries(entries, values)
 
 
-__all__ = ["apply_entry", "check_compatible", "check_file", "decode", "drop_later", "fast_read_applies", "load_native",
-           "malformed_is_damage", "match_optimizer_state_layout", "read_local_fast", "read_step", "read_verified",
+__all__ = ["check_compatible", "check_file", "decode", "drop_later", "fast_read_applies", "load_native",
+           "malformed_is_damage", "read_local_fast", "read_step", "read_verified",
            "restore_in_place", "rng_of", "safe_torch_load", "values_by_entry"]

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from checkpointd.storage import iopool
 from checkpointd.codecs.crc import crc32
 from checkpointd.save.chunkring import ChunkStreamAborted
-from checkpointd.storage import ptlayout
 from checkpointd.storage.persist_process import PersistProcessError
 
 logger = logging.getLogger("checkpointd")
@@ -26,9 +26,9 @@ def put_with_crcs(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
                   written: Callable[[int, int], None] | None = None) -> list[int]:
     """Put ``(offset, view)`` pieces into the file with ``put(slice, offset)``, the CRC-32 of each slice
     computed just before it is put (while it is in cache), as the in-process positional writers do
-    (``ptlayout.CRC_SLICE_BYTES`` a slice); ``written(offset, nbytes)`` after each piece."""
+    (``iopool.CRC_SLICE_BYTES`` a slice); ``written(offset, nbytes)`` after each piece."""
     crcs = []
-    step = ptlayout.CRC_SLICE_BYTES
+    step = iopool.CRC_SLICE_BYTES
     for offset, view in work:
         crc = 0
         for pos in range(0, view.nbytes, step):
@@ -68,7 +68,7 @@ class FileFill:
 
     def run(self, chunks: list[Any]) -> list[tuple[Any, int, int, int]]:
         stream = self.stream
-        pool = ptlayout.io_executor()
+        pool = iopool.io_executor()
         first_error: BaseException | None = None
         try:
             for c in chunks:
@@ -167,7 +167,7 @@ class FileFill:
             exc = future.exception()
             if isinstance(exc, PersistProcessError):
                 self._fall_back(exc)
-                local = ptlayout.io_executor().submit(self._write_here, c)  # frees the slot when written
+                local = iopool.io_executor().submit(self._write_here, c)  # frees the slot when written
                 released = True
                 with self._cv:
                     self._local.append(local)

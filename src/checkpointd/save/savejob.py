@@ -19,16 +19,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from checkpointd.storage import filesahead
+from checkpointd.storage import recyclebin
 from checkpointd.version import VERSION
 from checkpointd.format import layout
 from checkpointd.format.manifest import EntryLocation, Manifest
 from checkpointd.format.serialize import plan_pt
 from checkpointd.save.job import FileSource, SaveJob, Slot
 from checkpointd.save.planning import REDUCTIONS
-from checkpointd.save.snapshot import Snapshotter, TensorSpec, tensor_spec
+from checkpointd.save.snapshot import Snapshotter
+from checkpointd.save.arena import TensorSpec, tensor_spec
 from checkpointd.state import Entry, FileContent, copy_tree
 from checkpointd.storage import persist_process
-from checkpointd.storage import recycle
 
 logger = logging.getLogger("checkpointd")
 
@@ -109,25 +111,25 @@ def staging_layout(entries: Sequence[Entry], files: Sequence[FileContent]) -> tu
 
 def files_ahead(store: Any, codec: Any, files: Sequence[FileContent], busy: Callable[[], bool] | None = None,
                 saves_started: Callable[[], int] | None = None) -> Any:
-    """Blank files for the first saves of ``files`` (:class:`checkpointd.storage.recycle.FilesAhead`), started
+    """Blank files for the first saves of ``files`` (:class:`checkpointd.storage.filesahead.FilesAhead`), started
     (made once ``busy()`` is False); None where saves would not take them (no recycling, a codec,
     streaming writes) or they are turned off."""
-    sets = recycle.FilesAhead.sets_wanted()
-    if sets == 0 or not recycle.enabled(store) or getattr(codec, "name", None) != "none":
+    sets = filesahead.FilesAhead.sets_wanted()
+    if sets == 0 or not recyclebin.enabled(store) or getattr(codec, "name", None) != "none":
         return None
-    ahead = recycle.FilesAhead(store, blank_file_sizes(files), sets, premap=persist_process.keep_blank_file, busy=busy,
+    ahead = filesahead.FilesAhead(store, blank_file_sizes(files), sets, premap=persist_process.keep_blank_file, busy=busy,
                                saves_started=saves_started)
     ahead.start()
     return ahead
 
 
 def blank_file_sizes(files: Sequence[FileContent]) -> list[int]:
-    """The sizes of blank files that one save of ``files`` would take (:func:`checkpointd.storage.recycle.sizes_ahead`)."""
+    """The sizes of blank files that one save of ``files`` would take (:func:`checkpointd.storage.filesahead.sizes_ahead`)."""
     tensor_bytes = []
     for f in files:
         _, tensors = collect_tensors([f.tree])
         tensor_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
-    return recycle.sizes_ahead(tensor_bytes)
+    return filesahead.sizes_ahead(tensor_bytes)
 
 
 def saved_class_name(e: Entry) -> str | None:

@@ -17,10 +17,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from checkpointd.storage import recyclebin
+from checkpointd.storage import ziplayout
 from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.storage import ptlayout
-from checkpointd.storage import recycle
 from checkpointd.codecs.checksum import ChecksumWriter, format_crc
 from checkpointd.format.manifest import FileEntry
 from checkpointd.format.mdlus import write_mdlus
@@ -261,7 +262,7 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     store.makedirs(parent)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
-                                 fast=fast, recycle_from=recycle.bin_for(store), root=store.root)
+                                 fast=fast, recycle_from=recyclebin.bin_for(store), root=store.root)
     fjob.recycled = result.recycled
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
@@ -270,8 +271,8 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
 def file_image(fjob: FileJob) -> Any:
     """The zip image (every offset fixed) of a ``pt`` or ``mdlus`` file job, for positional writes."""
     if fjob.format == "mdlus":
-        return ptlayout.mdlus_image(fjob.json_members or {}, fjob.plan)
-    return ptlayout.pt_image(fjob.plan)
+        return ziplayout.mdlus_image(fjob.json_members or {}, fjob.plan)
+    return ziplayout.pt_image(fjob.plan)
 
 
 def _discard(raw: Any) -> None:

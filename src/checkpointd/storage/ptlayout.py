@@ -42,12 +42,11 @@ from checkpointd.codecs.crc import crc32_combine
 from checkpointd.storage import fsinfo
 from checkpointd.storage import localpaths
 from checkpointd.storage import recyclebin
-from checkpointd.storage.iopool import (CRC_SLICE_BYTES, DEFAULT_CHUNK_BYTES, in_io_pool, io_executor, io_threads, plan_tasks,
-                                        put_task, run_tasks)
+from checkpointd.storage.iopool import (DEFAULT_CHUNK_BYTES, io_threads, put_task, run_tasks)
 from checkpointd.storage.sharedpieces import SharedPieces
-from checkpointd.storage.writemode import fast_persist, persist_mode, resolve_mode, write_lanes, write_mode
-from checkpointd.storage.ziplayout import (LARGE_ALIGN, LARGE_RECORD_BYTES, SMALL_ALIGN, ZIP64_LIMIT, Content, Deferred, Piece,
-                                           ZipImage, build_zip, mdlus_image, pt_image, pt_members)
+from checkpointd.storage.writemode import resolve_mode, write_lanes, write_mode
+from checkpointd.storage.ziplayout import (Deferred, Piece,
+                                           ZipImage)
 
 
 @dataclass
@@ -230,7 +229,5 @@ def _write_at(dir_fd: int, name: str, path: str, img: ZipImage, *, chunk_bytes: 
     return result
 
 
-__all__ = ["CRC_SLICE_BYTES", "DEFAULT_CHUNK_BYTES", "LARGE_ALIGN", "LARGE_RECORD_BYTES", "SMALL_ALIGN", "ZIP64_LIMIT", "Content",
-           "Deferred", "FillFn", "Piece", "WriteResult", "ZipImage", "build_zip", "combine_filled", "fast_persist", "in_io_pool",
-           "io_executor", "io_threads", "mdlus_image", "persist_mode", "plan_tasks", "pt_image", "pt_members", "put_task",
+__all__ = ["DEFAULT_CHUNK_BYTES", "Deferred", "FillFn", "Piece", "WriteResult", "ZipImage", "combine_filled",           "io_threads", "put_task",
            "run_tasks", "write_file", "write_image", "write_lanes", "write_mode"]

@@ -39,9 +39,7 @@ from typing import Any
 from checkpointd import options
 from checkpointd.storage import localpaths
 from checkpointd.storage import recyclebin
-from checkpointd.storage.filesahead import FILES_AHEAD_SETS, ZERO_WRITE_BYTES, FilesAhead, sizes_ahead
-from checkpointd.storage.recyclebin import (BIN_NAME, F_SETLEASE, MIN_RECYCLE_BYTES, TAKE_RATIO, bin_dir, bin_for, contents,
-                                            empty, enabled, take, take_open)
+from checkpointd.storage.recyclebin import (F_SETLEASE)
 
 RECYCLE_ENV = options.RECYCLE_ENV
 """The variable :func:`checkpointd.options.recycle_enabled` reads (``0``: no recycling)."""
@@ -122,6 +120,5 @@ consecutive saves differ by a little; with a budget of exactly the committed byt
 larger than its successor would be deleted instead of recycled, and every zstd save would write a new file."""
 
 
-__all__ = ["BIN_NAME", "FILES_AHEAD_SETS", "F_SETLEASE", "FilesAhead", "MIN_RECYCLE_BYTES", "RECYCLE_ENV", "RETIRE_SLACK",
-           "Retirement", "TAKE_RATIO", "ZERO_WRITE_BYTES", "bin_dir", "bin_for", "contents", "empty", "enabled", "sizes_ahead",
-           "take", "take_open"]
+__all__ = ["F_SETLEASE", "RECYCLE_ENV", "RETIRE_SLACK",
+           "Retirement"]

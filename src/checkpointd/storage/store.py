@@ -61,7 +61,8 @@ from checkpointd.storage import localpaths as local
 from checkpointd.storage.retry import RetryPolicy
 from checkpointd.storage.s3writer import s3_remove_tree
 from checkpointd.storage.writerbase import WriteFile
-from checkpointd.storage.writers import is_local, is_s3, local_makedirs, open_writer
+from checkpointd.storage.writers import is_local, local_makedirs, open_writer
+from checkpointd.storage.s3writer import is_s3
 
 __all__ = [
     "DEFAULT_MAX_PARTS_IN_FLIGHT",

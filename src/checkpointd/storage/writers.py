@@ -32,7 +32,7 @@ from fsspec import AbstractFileSystem
 from checkpointd.storage import localpaths
 from checkpointd.storage import recyclebin
 from checkpointd.storage.localpaths import create_file, open_parent_below
-from checkpointd.storage.s3writer import S3MultipartWriter, is_s3, s3_remove_tree
+from checkpointd.storage.s3writer import S3MultipartWriter, is_s3
 from checkpointd.storage.writerbase import WriteFile, WriterBase
 
 logger = logging.getLogger("checkpointd")
@@ -224,4 +224,4 @@ def local_makedirs(root: str, parts: list[str], store: Any) -> int:
 
 
 __all__ = ["DurableLocalFile", "GuardedFile", "S3MultipartWriter", "WriteFile", "WriterBase", "is_local", "is_s3", "local_makedirs",
-           "open_writer", "s3_remove_tree"]
+           "open_writer"]
