@@ -61,7 +61,7 @@ METHOD_ENV = {"checkpointd_threads": {"CHECKPOINTD_PERSIST_PROCESS": "0"}}
 NEW_FILES_ENV = {"CHECKPOINTD_RECYCLE": "0"}
 """Every row but checkpointd_recycle times saves into new files, as a run that keeps every checkpoint makes
 them: with recycling off the library neither reuses retired files nor makes blank files ahead for a run's
-first saves (``recycle.FilesAhead``), which some repetitions would take and others run beside (on an H200
+first saves (``filesahead.FilesAhead``), which some repetitions would take and others run beside (on an H200
 host a blank file's save writes in 0.31-0.41 s after its snapshot, a new file's in 0.62-1.22 s). The
 recycling row keeps them (a training run's first saves take them)."""
 

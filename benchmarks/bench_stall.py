@@ -286,11 +286,10 @@ class IoOnly(Saver):
     def setup(self):
         from checkpointd.storage import fsinfo
         from checkpointd.storage import persist_process
-        from checkpointd.storage import ptlayout
-        from checkpointd.storage import sharedmem  # noqa: PLC0415
+        from checkpointd.storage import iopool, sharedmem, writemode  # noqa: PLC0415
         if not sharedmem.supported() or persist_process.client() is None:
             raise SkipMethod("the persist process cannot run here")
-        self.fsinfo, self.ptlayout, self.pp = fsinfo, ptlayout, persist_process
+        self.fsinfo, self.iopool, self.writemode, self.pp = fsinfo, iopool, writemode, persist_process
         local = [t.to_local() if hasattr(t, "to_local") else t for t in C.state_tensors(self.b.model, self.b.opt)]
         n_model = C.nbytes(local[:len(list(self.b.model.parameters()))])  # this rank's shards (FSDP2: DTensor)
         total = C.nbytes(local)
@@ -338,12 +337,12 @@ class IoOnly(Saver):
         self._drain()  # at most one in flight, as max_pending=1
         self.t0 = time.perf_counter()
         self.done_at: list[float] = []
-        chunk = self.ptlayout.DEFAULT_CHUNK_BYTES
+        chunk = self.iopool.DEFAULT_CHUNK_BYTES
         start = 0
         for k, size in enumerate(self.sizes):
             fd, path = self._open(step, k)
             os.ftruncate(fd, size)
-            mode, lanes = self.ptlayout.persist_mode(fd)  # as a save's
+            mode, lanes = self.writemode.persist_mode(fd)  # as a save's
             tasks = [[(off, self.slab.id, start + off, min(chunk, size - off))] for off in range(0, size, chunk)]
             fut = self.pp.client().submit_write(fd, size, mode, lanes, tasks, [self.slab], self.fsinfo.early_writeback(fd))
             fut.add_done_callback(lambda _f: self.done_at.append(time.perf_counter()))

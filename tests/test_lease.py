@@ -37,12 +37,12 @@ sys.modules["checkpointd"] = pkg
 from checkpointd import lease as lease_mod
 from checkpointd.lease import RootLease
 from checkpointd.storage.store import Store
-replace = leasefile.local_replace
+replace = lease_mod.local_replace
 delay = [0.0]
 def slow_replace(*args):
     time.sleep(delay[0])
     replace(*args)
-leasefile.local_replace = slow_replace
+lease_mod.local_replace = slow_replace
 leases = {}
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
