@@ -54,12 +54,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "checkpointd", "torture_worker"]
+"""What the session's one forkserver imports once, for every test that forks from it (the ranks here,
+the torture's children): the first user starts the server and its list is the one that counts.
+torch._dynamo: an optimizer's first step() imports it (~2 s)."""
+
+
+def forkserver_context() -> Any:
+    """The ``forkserver`` context with :data:`FORKSERVER_PRELOAD`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def _context() -> Any:
     global _CTX
     if _CTX is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "checkpointd"])
-        _CTX = ctx
+        _CTX = forkserver_context()
     return _CTX
 
 

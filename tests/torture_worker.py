@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -32,6 +31,8 @@ import warnings
 from typing import Any
 
 import torch
+
+import dist_harness
 
 from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.storage.store import Store
@@ -150,10 +151,9 @@ class TrialResult:
 
 
 def forkserver_context() -> Any:
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: the optimizer's first step() imports it (~2 s); import it once in the server
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "checkpointd", "torture_worker"])
-    return ctx
+    """The session's one forkserver (:data:`dist_harness.FORKSERVER_PRELOAD`: torch, checkpointd and this
+    module imported once)."""
+    return dist_harness.forkserver_context()
 
 
 def run_trial(ctx: Any, cfg: TrialConfig, rng: random.Random, max_delay_secs: float = 0.3) -> TrialResult:
