@@ -407,7 +407,7 @@ class CopyOnly(Saver):
     def setup(self):
         if not self.b.dev.cuda:
             raise SkipMethod("the device-to-host copy needs CUDA")
-        from checkpointd.save.snapshot import StagingArena, tensor_spec  # noqa: PLC0415
+        from checkpointd.save.arena import StagingArena, tensor_spec  # noqa: PLC0415
         self.src = [t.to_local() if hasattr(t, "to_local") else t for t in C.state_tensors(self.b.model, self.b.opt)]
         self.src = [t for t in self.src if t.is_cuda]
         self.arena = StagingArena([tensor_spec(t) for t in self.src], pin=True, shared=False)
@@ -460,7 +460,7 @@ class CloneOnly(CopyOnly):
 
     def setup(self):
         super().setup()
-        from checkpointd.save.snapshot import DEVICE_PACE_BYTES  # noqa: PLC0415
+        from checkpointd.save.device_copies import DEVICE_PACE_BYTES  # noqa: PLC0415
         self.pace = DEVICE_PACE_BYTES
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:

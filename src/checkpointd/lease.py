@@ -76,7 +76,7 @@ from checkpointd.leasefile import (
 from checkpointd.storage.store import Store
 from checkpointd.version import VERSION
 
-__all__ = ["DEFAULT_TIMEOUT_SECS", "LEASE_NAME", "RootLease"]
+__all__ = ["DEFAULT_TIMEOUT_SECS", "RootLease"]
 
 logger = logging.getLogger("checkpointd")
 

@@ -22,6 +22,7 @@ import fsspec
 import pytest
 import torch
 
+from checkpointd import options
 from checkpointd import CheckpointManager, StagingOptions, CheckpointWriteError, load
 from checkpointd.save import chunkring
 from checkpointd.save import writer
@@ -340,10 +341,10 @@ def test_the_persist_process_writes_the_chunks(tmp_path, monkeypatch, stream_cpu
             mgr.wait()
             return mgr._snap.ring.slots, mgr._snap.ring.chunk_bytes
 
-    monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
+    monkeypatch.setenv(options.PERSIST_PROCESS_ENV, "0")
     slots, _ = save(str(tmp_path / "here"))
     assert slots is None  # private memory: the chunks are written from this process
-    monkeypatch.delenv(sharedmem.SHARED_STAGING_ENV)
+    monkeypatch.delenv(options.PERSIST_PROCESS_ENV)
     puts = record_requests(monkeypatch, "put")
     before = persist_process.client().writes_done
     slots, chunk_bytes = save(str(tmp_path / "there"))

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpointd import options
 from checkpointd.storage import ziplayout
 from checkpointd import CheckpointManager, StagingOptions
 from checkpointd.storage import fsinfo
@@ -138,7 +139,7 @@ def test_host_budget_stream_hands_its_ranges_to_the_disk(tmp_path: Path, monkeyp
     if writer == "persist-process" and not sharedmem.supported():
         pytest.skip("the persist process needs Linux memfd_create")
     if writer == "in-process":
-        monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
+        monkeypatch.setenv(options.PERSIST_PROCESS_ENV, "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # with CUDA only device tensors are streamed
     if device == "cpu":
         monkeypatch.setattr(snapshot, "STREAM_CPU_TENSORS", True)  # CPU tensors through the chunk ring, as CUDA's

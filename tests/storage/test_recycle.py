@@ -20,6 +20,7 @@ import pytest
 import torch
 from tree_compare import big_files
 
+from checkpointd import options
 from checkpointd import CheckpointManager, load
 from checkpointd.storage import filesahead
 from checkpointd.storage import recycle
@@ -144,7 +145,7 @@ def test_the_first_saves_write_into_files_made_ahead(tmp_path, write_mode):
 def test_no_files_are_made_ahead_where_a_save_would_not_take_them(tmp_path, monkeypatch):
     for root, kwargs, sets, env in [(tmp_path / "zstd", {"compression": "zstd"}, 2, {}),
                                     (tmp_path / "off", {"compression": None}, 0, {}),
-                                    (tmp_path / "norecycle", {"compression": None}, 2, {recycle.RECYCLE_ENV: "0"})]:
+                                    (tmp_path / "norecycle", {"compression": None}, 2, {options.RECYCLE_ENV: "0"})]:
         monkeypatch.setattr(filesahead, "FILES_AHEAD_SETS", sets)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -492,7 +493,7 @@ def test_a_retired_file_in_use_is_deleted_not_overwritten(tmp_path, holder, writ
 
 
 def test_disabled_by_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(recycle.RECYCLE_ENV, "0")
+    monkeypatch.setenv(options.RECYCLE_ENV, "0")
     model = _state()
     with CheckpointManager(tmp_path, {"model": model}, every_n_steps=1, keep_last=1, compression=None) as mgr:
         for step in range(3):

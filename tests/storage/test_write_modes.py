@@ -174,9 +174,8 @@ def test_persist_setting_chooses_mode_and_lanes(write_root: Path, monkeypatch: p
 
     The in-process writers (no persist process: with one, every file's bytes go through it)."""
     from checkpointd.storage import fsinfo
-    from checkpointd.storage import sharedmem
 
-    monkeypatch.setenv(sharedmem.SHARED_STAGING_ENV, "0")
+    monkeypatch.setenv(options.PERSIST_PROCESS_ENV, "0")
     monkeypatch.setattr(writemode, "WRITE_MODE", None)
     monkeypatch.setattr(writemode, "FAST_PERSIST", persist == "fast")
     monkeypatch.setenv(options.IO_THREADS_ENV, "6")

@@ -44,7 +44,7 @@ from checkpointd.errors import CheckpointError, CheckpointNotFoundError, Corrupt
 from checkpointd.format.mdlus import MODEL_MEMBER, open_mdlus_model_pt, pickle_globals
 from checkpointd.format.streams import ReadStream, SeekableReader
 
-__all__ = ["CheckpointFile", "KeyPath", "TensorInfo", "iter_tensors", "join_key", "lookup", "pickle_globals", "split_key",
+__all__ = ["CheckpointFile", "KeyPath", "TensorInfo", "iter_tensors", "join_key", "lookup", "split_key",
            "unsafe_or_corrupt"]
 
 KeyPath = str | Sequence[Any]

@@ -32,8 +32,7 @@ from checkpointd.restore.checkpoint_file import (
 from checkpointd.restore.verify import verify_file
 from checkpointd.storage.store import Store
 
-__all__ = ["CheckpointFile", "KeyPath", "codec_of", "format_of", "join_key", "load_tensor",
-           "load_tensors", "open_file", "open_in_store", "split_key"]
+__all__ = ["codec_of", "format_of", "load_tensor", "load_tensors", "open_file", "open_in_store"]
 
 
 def open_file(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,

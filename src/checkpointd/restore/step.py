@@ -249,6 +249,6 @@ def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
         apply_entries(entries, values)
 
 
-__all__ = ["check_compatible", "check_file", "decode", "drop_later", "fast_read_applies", "load_native",
-           "malformed_is_damage", "read_local_fast", "read_step", "read_verified",
-           "restore_in_place", "rng_of", "safe_torch_load", "values_by_entry"]
+__all__ = ["decode", "drop_later", "fast_read_applies", "load_native", "malformed_is_damage",
+           "read_local_fast", "read_step", "read_verified", "restore_in_place", "rng_of", "safe_torch_load",
+           "values_by_entry"]

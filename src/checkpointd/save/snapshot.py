@@ -428,5 +428,4 @@ class Snapshotter:
             c.wait_host()
 
 
-__all__ = ["DEVICE_PACE_BYTES", "STREAM_CPU_TENSORS", "PendingCopies", "Snapshotter", "StagedTensors", "StagingArena",
-           "TensorSpec", "tensor_spec"]
+__all__ = ["STREAM_CPU_TENSORS", "Snapshotter", "StagedTensors"]

@@ -229,5 +229,4 @@ def _write_at(dir_fd: int, name: str, path: str, img: ZipImage, *, chunk_bytes: 
     return result
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Deferred", "FillFn", "Piece", "WriteResult", "ZipImage", "combine_filled",           "io_threads", "put_task",
-           "run_tasks", "write_file", "write_image", "write_lanes", "write_mode"]
+__all__ = ["FillFn", "WriteResult", "combine_filled", "write_file", "write_image"]

@@ -36,14 +36,8 @@ import os
 import uuid
 from typing import Any
 
-from checkpointd import options
 from checkpointd.storage import localpaths
 from checkpointd.storage import recyclebin
-from checkpointd.storage.recyclebin import (F_SETLEASE)
-
-RECYCLE_ENV = options.RECYCLE_ENV
-"""The variable :func:`checkpointd.options.recycle_enabled` reads (``0``: no recycling)."""
-_F_SETLEASE = F_SETLEASE  # the name tests outside this package check; F_SETLEASE is the public one
 
 class Retirement:
     """One retention pass: moves the large files of retired steps into the bin, up to ``budget`` bytes.
@@ -120,5 +114,4 @@ consecutive saves differ by a little; with a budget of exactly the committed byt
 larger than its successor would be deleted instead of recycled, and every zstd save would write a new file."""
 
 
-__all__ = ["F_SETLEASE", "RECYCLE_ENV", "RETIRE_SLACK",
-           "Retirement"]
+__all__ = ["RETIRE_SLACK", "Retirement"]

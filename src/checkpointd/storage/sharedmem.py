@@ -26,11 +26,6 @@ import numpy as np
 from checkpointd import options
 from checkpointd.storage import pagemem
 
-SHARED_STAGING_ENV = options.PERSIST_PROCESS_ENV
-"""The variable :func:`checkpointd.options.persist_process_enabled` reads: on (the default where
-supported), stage into shared memory and persist from a separate process; ``0``: stage into private
-memory and write from threads of the training process."""
-
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _starts: list[int] = []
@@ -111,4 +106,4 @@ def locate(view: Any) -> tuple[SharedSlab, int] | None:
     return slab, offset
 
 
-__all__ = ["SHARED_STAGING_ENV", "SharedSlab", "locate", "on_release", "supported"]
+__all__ = ["SharedSlab", "locate", "on_release", "supported"]

@@ -64,13 +64,7 @@ from checkpointd.storage.writerbase import WriteFile
 from checkpointd.storage.writers import is_local, local_makedirs, open_writer
 from checkpointd.storage.s3writer import is_s3
 
-__all__ = [
-    "DEFAULT_MAX_PARTS_IN_FLIGHT",
-    "DEFAULT_PART_SIZE_BYTES",
-    "LinkedPathError",
-    "Store",
-    "WriteFile",
-]
+__all__ = ["DEFAULT_MAX_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES", "Store"]
 
 logger = logging.getLogger("checkpointd")
 

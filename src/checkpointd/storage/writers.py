@@ -223,5 +223,4 @@ def local_makedirs(root: str, parts: list[str], store: Any) -> int:
         raise NotADirectoryError(errno.ENOTDIR, f"cannot create directory {os.path.join(root, *parts)}: a file is in the way") from exc
 
 
-__all__ = ["DurableLocalFile", "GuardedFile", "S3MultipartWriter", "WriteFile", "WriterBase", "is_local", "is_s3", "local_makedirs",
-           "open_writer"]
+__all__ = ["DurableLocalFile", "GuardedFile", "is_local", "local_makedirs", "open_writer"]
