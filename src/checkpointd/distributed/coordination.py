@@ -173,17 +173,11 @@ class DistributedWriter(BackgroundWriter):
 
     def _process(self, job: SaveJob) -> None:
         coord, group = self.coord, self.coord.commit
-        t0 = time.perf_counter()
         error: BaseException | None = None
         try:
-            if job.failure is not None:
-                raise job.failure
-            self.plan_job(job)
-            t0 = time.perf_counter()
-            self.prepare_files(job)
+            self.stage(job)
         except BaseException as exc:  # noqa: BLE001 - must still take part in the protocol
             error = exc
-        job.timings["stage_wait_secs"] = time.perf_counter() - t0
         ready = coord.all_gather((job.step, None if error is None else _describe(error)), group=group)
         if len({s for s, _ in ready}) > 1 and error is None:
             error = RankFailedError(f"the ranks handed different steps to the commit protocol "

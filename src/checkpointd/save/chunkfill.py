@@ -15,30 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointd.storage import iopool
-from checkpointd.codecs.crc import crc32
 from checkpointd.save.chunkring import ChunkStreamAborted
 from checkpointd.storage.persist_process import PersistProcessError
 
 logger = logging.getLogger("checkpointd")
-
-
-def put_with_crcs(put: Callable[[Any, int], None], work: list[tuple[int, Any]],
-                  written: Callable[[int, int], None] | None = None) -> list[int]:
-    """Put ``(offset, view)`` pieces into the file with ``put(slice, offset)``, the CRC-32 of each slice
-    computed just before it is put (while it is in cache), as the in-process positional writers do
-    (``iopool.CRC_SLICE_BYTES`` a slice); ``written(offset, nbytes)`` after each piece."""
-    crcs = []
-    step = iopool.CRC_SLICE_BYTES
-    for offset, view in work:
-        crc = 0
-        for pos in range(0, view.nbytes, step):
-            part = view[pos:pos + step]
-            crc = crc32(part, crc)
-            put(part, offset + pos)
-        crcs.append(crc)
-        if written is not None:
-            written(offset, view.nbytes)
-    return crcs
 
 
 REMOTE_TASK_BYTES = 8 << 20
@@ -101,7 +81,7 @@ class FileFill:
         try:
             stream.await_copied(c)
             pieces = [self.pieces[part.key] for part in c.parts]
-            crcs = put_with_crcs(self.put, [(piece.offset + part.start, stream.chunk_view(part))
+            crcs = iopool.put_task(self.put, [(piece.offset + part.start, stream.chunk_view(part))
                                         for piece, part in zip(pieces, c.parts)], self.written)
             out = [(piece, part.start, part.start + part.length, crc) for piece, part, crc in zip(pieces, c.parts, crcs)]
         except BaseException as exc:

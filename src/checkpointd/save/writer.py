@@ -79,18 +79,25 @@ class BackgroundWriter(SerialWorker):
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
             job.future.set_exception(exc)
 
+    def stage(self, job: SaveJob) -> None:
+        """A job's failure raised, else its files planned ahead and its copies waited for (the wait goes
+        into ``job.timings["stage_wait_secs"]``)."""
+        if job.failure is not None:
+            raise job.failure
+        self.plan_job(job)
+        t0 = time.perf_counter()
+        try:
+            self.prepare_files(job)
+        finally:
+            job.timings["stage_wait_secs"] = time.perf_counter() - t0
+
     def _process(self, job: SaveJob) -> None:
         """One save: plan ahead, wait for the copies, plan the rest, write the files, then commit."""
         try:
-            if job.failure is not None:
-                raise job.failure
-            self.plan_job(job)
-            t0 = time.perf_counter()
-            self.prepare_files(job)
+            self.stage(job)
         except BaseException:
             planning.release_staging(job)
             raise
-        job.timings["stage_wait_secs"] = time.perf_counter() - t0
         error = self.write_files(job)
         if error is not None:
             raise error
