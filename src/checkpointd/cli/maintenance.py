@@ -1,8 +1,8 @@
 """``checkpointd verify``, ``export`` and ``gc``: check checkpoints, copy one out, clean up leftovers.
 
 Each is a thin layer over a library module: ``verify`` over :mod:`checkpointd.restore.verify` (the same
-checks a restore runs), ``export`` over :mod:`checkpointd.export`, ``gc`` over :mod:`checkpointd.cleanup`
-(and the recycling bin of ``storage/recycle.py``).
+checks a restore runs), ``export`` over :mod:`checkpointd.export` (``--format native|dcp|safetensors``),
+``gc`` over :mod:`checkpointd.cleanup` (and the recycling bin of ``storage/recycle.py``).
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise Usage(f"OUT_DIR {out.display()} is a file")
     total = stored_bytes(commit.read_committed_manifest(store, ""))
     with Progress(total, "export") as bar:
-        files = export_step(store, "", out, overwrite=args.overwrite, on_bytes=bar.update)
+        files = export_step(store, "", out, format=args.export_format, overwrite=args.overwrite, on_bytes=bar.update)
     for f in files:
-        print(f"{f.target}  {fmt_bytes(f.native_bytes)}")
-    print(f"exported {len(files)} file(s) to {out.display()}")
+        left_out = f"  (left out, not tensors: {', '.join(f.skipped)})" if f.skipped else ""
+        print(f"{f.target}  {fmt_bytes(f.native_bytes)}{left_out}")
+    print(f"exported {len(files)} file(s) to {out.display()} ({args.export_format})")
     return EXIT_OK
 
 

@@ -18,6 +18,7 @@ from checkpointd.cli.maintenance import cmd_export, cmd_gc, cmd_verify
 from checkpointd.cli.stores import DEFAULT_RETRY_TIMEOUT_SECS, PROGRESS_INTERVAL_SECS
 from checkpointd.cleanup import DEFAULT_GRACE_SECS
 from checkpointd.errors import ConfigError
+from checkpointd.export import FORMATS
 from checkpointd.version import VERSION
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items()) + f"""
@@ -78,15 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also decode every file and parse its pickles safely (codec and record checksums, unsafe pickles)")
     p.set_defaults(run=cmd_verify)
 
-    p = subcommand(sub, "export", parents=[common], help="write a step as native uncompressed files",
-                       description="Decode every file of a committed step into OUT_DIR under its native name "
-                                   "(.zst dropped), verifying checksums: a plain PhysicsNeMo-style directory. "
+    p = subcommand(sub, "export", parents=[common], help="write a step as native files, a DCP directory or safetensors",
+                       description="Write a committed step into OUT_DIR, verifying every file's checksum first. "
+                                   "--format native (default): every file decoded under its native name (.zst "
+                                   "dropped), a plain PhysicsNeMo-style directory. --format dcp: a "
+                                   "torch.distributed.checkpoint directory (.metadata, __0_0.distcp) keyed by the "
+                                   "state names, as dcp.load({'model': model.state_dict(), ...}, checkpoint_id=OUT_DIR) "
+                                   "reads it; sharded steps are assembled whole; OUT_DIR must be empty. "
+                                   "--format safetensors: one <entry>.safetensors per nn.Module entry, for "
+                                   "safetensors.torch.load_file. "
                                    f"Exit {EXIT_FAILED} when the step is uncommitted or damaged (nothing is left "
                                    f"half-exported), {EXIT_USAGE} when STEP_DIR is not a step directory or a file "
                                    "in OUT_DIR is in the way (see --overwrite).")
     p.add_argument("step_dir", metavar="STEP_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--overwrite", action="store_true", help="replace files that already exist in OUT_DIR")
+    p.add_argument("--format", choices=list(FORMATS), default="native", dest="export_format",
+                   help="native (default), dcp or safetensors")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files that already exist in OUT_DIR (dcp: its DCP files are removed first)")
     p.set_defaults(run=cmd_export)
 
     p = subcommand(sub, "gc", parents=[common, as_json], help="remove uncommitted leftovers",

@@ -1,4 +1,4 @@
-"""``checkpointd export``: a committed step back to native, uncompressed PhysicsNeMo-style files.
+"""``checkpointd export`` (``--format native``): a committed step back to native, uncompressed PhysicsNeMo-style files.
 
 Every data file of the step is read, checked against the manifest (size and CRC-32, as on restore),
 its pickle is parsed with the weights-only unpickler (an unsafe file is refused before anything is
@@ -14,31 +14,19 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from checkpointd import commit
 from checkpointd.codecs.compress import get_codec
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from checkpointd.export.result import ExportedFile
 from checkpointd.restore.checkpoint_file import CheckpointFile
 from checkpointd.restore.step import read_verified
 from checkpointd.storage.store import Store
 
-__all__ = ["ExportedFile", "export_step", "native_name"]
+__all__ = ["BLOCK_BYTES", "export_native", "native_name"]
 
 BLOCK_BYTES = 8 << 20
-
-
-@dataclass
-class ExportedFile:
-    source: str
-    target: str
-    stored_bytes: int
-    native_bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def native_name(rel: str) -> str:
@@ -46,8 +34,8 @@ def native_name(rel: str) -> str:
     return rel[: -len(layout.ZSTD_SUFFIX)] if rel.endswith(layout.ZSTD_SUFFIX) else rel
 
 
-def export_step(store: Store, step_dir: str, out: Store, *, overwrite: bool = False,
-                on_bytes: Callable[[int], None] | None = None) -> list[ExportedFile]:
+def export_native(store: Store, step_dir: str, out: Store, *, overwrite: bool = False,
+                  on_bytes: Callable[[int], None] | None = None) -> list[ExportedFile]:
     """Write the native files of the committed step ``step_dir`` of ``store`` into ``out``.
 
     Raises:
