@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -254,3 +255,27 @@ def test_restore_into_an_optimizer_over_other_parameters_raises_before_touching_
         with pytest.raises(checkpointd.StateMismatchError, match="optimizer"):
             mgr.restore_latest()
     assert torch.equal(live.weight, before) and not live_opt.state
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_sharded_mode_in_one_process_saves_full_files_that_restore(tmp_path, compression):
+    """``mode`` matters only under torch.distributed: one process with mode="sharded" writes full-mode
+    files, which restore_latest() and load() read back bit-exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(tmp_path, {"model": model, "optim": opt}, mode="sharded", compression=compression) as mgr:
+        mgr.save(3)
+    manifest = json.loads((tmp_path / "step-000000003" / "manifest.json").read_text())
+    assert manifest["mode"] == "full"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with CheckpointManager(tmp_path, {"model": model, "optim": opt}, mode="sharded", compression=compression) as mgr:
+        assert mgr.restore_latest() == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    assert torch.equal(load(tmp_path)["model"]["weight"], saved["weight"])

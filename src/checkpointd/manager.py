@@ -216,7 +216,9 @@ class CheckpointManager:
                 self._uploader.wait_backlog(self._max_pending)
             self._roots.raise_failures()
             job = stage_save(step=step, files=files, entries=self._entries, snapshotter=self._snap, metrics=clean,
-                             mode=self._mode, world_size=1 if self._dist is None else self._dist.world_size,
+                             # one process writes full-mode files whatever `mode` says (it matters only under torch.distributed)
+                             mode="full" if self._dist is None else self._mode,
+                             world_size=1 if self._dist is None else self._dist.world_size,
                              codec_name=self._codec.name, locations=locations, extra=extra)
         except BaseException as exc:
             if self._dist is not None:  # the ranks agreed to save `step`: fail it on every rank now, naming this error
@@ -290,39 +292,65 @@ class CheckpointManager:
         step = self.restore_latest()
         return first_step if step is None else step + 1
 
-    def restore_latest(self) -> int | None:
+    def restore_latest(self, *, entries: Iterable[str] | None = None, strict: bool = True) -> int | None:
         """Restore the newest committed step that verifies, in place; None if the root has none.
 
         A newer step that fails verification is skipped with a warning and, once an older one restored,
         taken out of the checkpoints (its marker removed, its files moved to
         ``<root>/.checkpointd-damaged/``), so the resumed run saves that step again. If committed steps
         exist but none verifies, raises CorruptCheckpointError (never silently restarts from scratch).
+        ``entries`` and ``strict``: as in :meth:`restore` (a partial restore verifies the files it reads).
         """
+        selection = self._restorer.select(entries, strict)
         self._check_open()
         self.wait()
         try:
-            step = self._restorer.restore_latest()
+            step = self._restorer.restore_latest(selection)
         finally:
             self._prepare_pending_buffers()
         self._roots.branched(step)
         return step
 
-    def restore(self, step: int) -> None:
+    def restore(self, step: int, *, entries: Iterable[str] | None = None, strict: bool = True) -> None:
         """Restore exactly ``step`` in place (verified first).
 
-        A step that fails verification is taken out of the checkpoints (as in :meth:`restore_latest`,
-        unless it is the only committed step) and the error raised. After a restore of ``step``, saving
-        a committed step newer than it replaces that step, with a warning: the run has branched from
-        ``step``.
+        ``entries``: only these state names (ConfigError for one not registered); the others, and RNG
+        state unless every entry is named, stay as they are; only their files are read. ``strict=False``:
+        entries the step lacks, and inside a module missing, unexpected or reshaped keys, are left as
+        they are (like ``load_state_dict(strict=False)``), named in one RuntimeWarning; optimizers,
+        tensors and data must still fit (StateMismatchError). A step that fails verification is taken
+        out of the checkpoints (as in :meth:`restore_latest`, unless it is the only committed step) and
+        the error raised. After a restore of ``step``, saving a committed step newer than it replaces
+        that step, with a warning: the run has branched from ``step``.
         """
+        selection = self._restorer.select(entries, strict)
         self._check_open()
         self.wait()
         step = as_step(step)
         try:
-            self._restorer.restore_exact(step)
+            self._restorer.restore_exact(step, selection)
         finally:
             self._prepare_pending_buffers()
         self._roots.branched(step)
+
+    def restore_from(self, path: str | os.PathLike[str], *, entries: Iterable[str] | None = None, strict: bool = True,
+                     storage_options: dict[str, Any] | None = None, step: int | None = None) -> None:
+        """Restore the registered objects in place from a checkpoint outside this manager's root.
+
+        ``path``: anything :func:`checkpointd.load` reads (another root, its newest step or ``step``; a
+        step directory; a PhysicsNeMo or DCP directory), verified; registered names it lacks are also
+        looked up under their PhysicsNeMo names. ``entries``/``strict`` as in :meth:`restore`; RNG state
+        is never restored. Under torch.distributed every rank loads the full values and copies its part
+        (DTensor/FSDP2 local blocks included). The root, its steps and the schedule are untouched: the
+        loop numbers the next saves (fine-tuning: from 0, in a new root).
+        """
+        selection = self._restorer.select(entries, strict)
+        self._check_open()
+        self.wait()
+        try:
+            self._restorer.restore_from(path, selection, storage_options, step)
+        finally:
+            self._prepare_pending_buffers()
 
     # ------------------------------------------------------------------------------------------
     # stats, lifecycle

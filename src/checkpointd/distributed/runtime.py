@@ -13,7 +13,8 @@ The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is i
 - restores with :meth:`restore_step`: every rank reads and verifies the files it needs (full mode: rank 0's
   files and its own RNG file; sharded mode: rank 0's file, its own for RNG, and only the rank files whose
   blocks overlap its regions), the ranks agree that all verified, then each rank copies its part into
-  the live objects in place.
+  the live objects in place; ``restore_loaded`` (``restore_from``) has every rank load the full values and
+  apply its part the same way. Partial and non-strict restores: a ``Selection`` (see ``manager_restore.py``).
 
 RNG under a changed world size: per-rank RNG streams cannot be mapped onto a different number of ranks,
 so when the checkpoint's world size differs from the current one the RNG state is left as it is (a
@@ -36,6 +37,7 @@ from checkpointd.restore import step as restore_mod
 from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
                       StateMismatchError)
 from checkpointd.format.manifest import EntryLocation, FileEntry, Manifest
+from checkpointd.restore.per_entry import Selection
 from checkpointd.rng import restore_rng
 from checkpointd.state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_files, entry_state, validate_tree
 from checkpointd.storage.store import Store
@@ -43,8 +45,8 @@ from checkpointd.save.job import SaveJob
 from checkpointd.restore.assemble import shard_file_name, sharded_values
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
 from checkpointd.format.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
-from checkpointd.distributed.state_dicts import (gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer, module_state, optimizer_state,
-                          owner_module, plan_module, plan_optimizer)
+from checkpointd.distributed.state_dicts import (check_optimizer, gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer,
+                          module_state, optimizer_state, owner_module, plan_module, plan_optimizer)
 from checkpointd.distributed.statecache import LocalStates
 
 logger = logging.getLogger("checkpointd")
@@ -293,27 +295,30 @@ class DistributedRuntime:
                         entries=m.entries, metrics=m.metrics, extra=extra)
 
     # -- restoring (training thread, every rank) -------------------------------------------------
-    def restore_step(self, store: Store, step_dir: str) -> None:
-        """Read and verify on every rank, agree, then load each rank's part in place.
+    def restore_step(self, store: Store, step_dir: str, selection: Selection | None = None) -> None:
+        """Read and verify on every rank, agree, then load each rank's part of the chosen entries in place.
+
+        ``selection`` (default: every entry, strict): see :mod:`checkpointd.manager_restore`.
 
         Raises (on every rank alike) CorruptCheckpointError when any rank could not read or verify the step.
         """
+        sel = selection or per_entry.select_entries(self.entries)
         error: BaseException | None = None
         values: dict[str, Any] = {}
         rng: Any = None
         manifest: Manifest | None = None
         try:
             manifest = commit.read_committed_manifest(store, step_dir)
-            values, rng = self._read(store, step_dir, manifest)
+            values, rng = self._read(store, step_dir, manifest, sel)
         except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
             error = exc
         problems = [p for p in self.coord.gather_control(None if error is None else f"{type(error).__name__}: {error}") if p]
         if problems:
             raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: " + "; ".join(problems[:4])) from error
         assert manifest is not None
-        self._check(values, manifest.step)
-        for e in self.entries:
-            self._apply(e, values[e.name], f"state[{e.name!r}]")
+        self._load(values, f"step {manifest.step}", sel, manifest.entries)
+        if not sel.restores_rng:
+            return
         if manifest.world_size != self.world_size:
             if self.is_rank0:
                 warnings.warn(
@@ -323,17 +328,43 @@ class DistributedRuntime:
         elif isinstance(rng, dict):
             restore_rng(rng)
 
-    def _read(self, store: Store, step_dir: str, manifest: Manifest) -> tuple[dict[str, Any], Any]:
+    def restore_loaded(self, read: Callable[[], tuple[dict[str, Any], list[str]]], source: str, selection: Selection) -> None:
+        """``restore_from``: every rank runs ``read`` (``checkpointd.load``: full values), the ranks agree that
+        all could, then each loads its part of the chosen entries in place (a DTensor its local block)."""
+        values: dict[str, Any] = {}
+        available: list[str] = []
+        error: BaseException | None = None
+        try:
+            values, available = read()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone goes on
+            error = exc
+        problems = [p for p in self.coord.gather_control(None if error is None else f"{type(error).__name__}: {error}") if p]
+        if error is not None:
+            raise error
+        if problems:
+            raise CheckpointError(f"{source} could not be loaded on every rank: " + "; ".join(problems[:4]))
+        self._load(values, source, selection, available)
+
+    def _load(self, values: dict[str, Any], source: str, selection: Selection, available: Any) -> None:
+        """Check the chosen entries against ``values`` (nothing applied on a mismatch), apply, warn (rank 0)."""
+        fitted = self._fit(values, source, selection, available)
+        for e in fitted.entries:
+            self._apply(e, fitted.values[e.name], f"state[{e.name!r}]")
+        if fitted.left and self.is_rank0:
+            warnings.warn("checkpointd: " + "; ".join(fitted.left), RuntimeWarning, stacklevel=4)
+
+    def _read(self, store: Store, step_dir: str, manifest: Manifest, sel: Selection) -> tuple[dict[str, Any], Any]:
         if manifest.mode == "sharded":
-            return self._read_sharded(store, step_dir, manifest)
-        wanted = {f.path for f in manifest.files if f.rank == 0}
-        own_rng = (manifest.extra.get("rng_files") or {}).get(str(self.rank))
+            return self._read_sharded(store, step_dir, manifest, sel)
+        view = restore_mod.files_for(manifest, sel)
+        wanted = {f.path for f in view.files if f.rank == 0}
+        own_rng = (manifest.extra.get("rng_files") or {}).get(str(self.rank)) if sel.restores_rng else None
         if own_rng:
             wanted.add(own_rng)
         files = [f for f in manifest.files if f.path in wanted]
         view = Manifest(**{**manifest.__dict__, "files": files})
         contents = restore_mod.read_step(store, step_dir, view, rank=None)
-        values = restore_mod.values_by_entry(manifest, contents)
+        values = restore_mod.values_by_entry(manifest, contents, None if sel.read_all else [e.name for e in sel.entries])
         rng_content = contents.get(own_rng) if own_rng else None
         rng = rng_content.get(RNG_KEY) if isinstance(rng_content, dict) else restore_mod.rng_of(manifest, contents)
         if self.rank != 0 and not own_rng:
@@ -348,12 +379,12 @@ class DistributedRuntime:
             return {}
         return restore_mod.read_step(store, step_dir, Manifest(**{**manifest.__dict__, "files": files}), rank=None)
 
-    def _read_sharded(self, store: Store, step_dir: str, manifest: Manifest) -> tuple[dict[str, Any], Any]:
+    def _read_sharded(self, store: Store, step_dir: str, manifest: Manifest, sel: Selection) -> tuple[dict[str, Any], Any]:
         """This rank's part of a sharded step: rank 0's file, its own (for RNG), and the files holding its blocks.
 
-        1. rank 0's file (the entries skeleton, plain tensors) and, when RNG is restored (same world size),
-           this rank's own file; also any data file that is not a rank's shard file;
-        2. the plan (:meth:`_plan_reads`): the blocks that overlap the regions the load will ask for,
+        1. rank 0's file (the entries skeleton, plain tensors) and, when RNG is restored (same world size,
+           every entry chosen), this rank's own file; also any data file that is not a rank's shard file;
+        2. the plan (:meth:`_plan_reads`): the blocks of the chosen entries that overlap the regions the load will ask for,
            from the manifest's block records and the live objects' placements;
         3. the rank files holding those blocks, each verified; a needed block missing from its file is
            CorruptCheckpointError here, before the ranks agree, so nothing is applied.
@@ -364,11 +395,13 @@ class DistributedRuntime:
             raise CorruptCheckpointError(f"step {manifest.step}: sharded manifest without extra['sharded'] layout")
         rank_files = {int(r): p for r, p in info["rank_files"].items()}
         shard_paths = set(rank_files.values())
-        own = rank_files.get(self.rank) if manifest.world_size == self.world_size else None
+        own = rank_files.get(self.rank) if manifest.world_size == self.world_size and sel.restores_rng else None
         first = {f.path for f in manifest.files if f.path not in shard_paths} | {rank_files.get(0, ""), own or ""}
         contents = self._read_files(store, step_dir, manifest, first)
         values = sharded_values(manifest, contents)  # its leaves read `contents` lazily: later reads land there too
-        plan = self._plan_reads(values)
+        if not sel.read_all:
+            values = {e.name: values[e.name] for e in sel.entries if e.name in values}
+        plan = self._plan_reads(values, list(sel.entries))
         needed_ranks = set(rank_files) if plan is None else plan[0]
         listed = {f.path for f in manifest.files}
         for r in sorted(needed_ranks):
@@ -385,7 +418,7 @@ class DistributedRuntime:
         rng = contents.get(own, {}).get(RNG_KEY) if own and isinstance(contents.get(own), dict) else None
         return values, rng
 
-    def _plan_reads(self, values: dict[str, Any]) -> tuple[set[int], set[tuple[str, str, int]]] | None:
+    def _plan_reads(self, values: dict[str, Any], entries: list[Entry]) -> tuple[set[int], set[tuple[str, str, int]]] | None:
         """(ranks whose files hold blocks this rank's load will copy, {(entry, tensor key, rank)}); None: read all.
 
         Mirrors :meth:`_apply` without touching anything: a leaf copied into a live DTensor needs the blocks
@@ -398,7 +431,7 @@ class DistributedRuntime:
             regions.setdefault(id(leaf), []).append(leaf.target_region(live))
 
         try:
-            for e in self.entries:
+            for e in entries:
                 v = values.get(e.name)
                 if e.kind == "module" and isinstance(v, dict):
                     plan_module(e.obj, v, want)
@@ -411,7 +444,7 @@ class DistributedRuntime:
             return None
         ranks: set[int] = set()
         needed: set[tuple[str, str, int]] = set()
-        for e in self.entries:
+        for e in entries:
             for _path, leaf in walk(values.get(e.name)):
                 if not isinstance(leaf, ShardedLeaf):
                     continue
@@ -422,17 +455,26 @@ class DistributedRuntime:
                         needed.add((leaf.name, leaf.key, int(block["rank"])))
         return ranks, needed
 
-    def _check(self, values: dict[str, Any], step: int) -> None:
-        """Refuse before touching anything when a module's keys differ from the checkpoint's."""
-        for e in self.entries:
-            if e.name not in values:
-                raise StateMismatchError(f"checkpoint step {step} has no entry {e.name!r} (it holds {sorted(values)})")
-            if e.kind == "module" and not is_fsdp1(e.obj):
-                live, stored = set(live_module_state(e.obj)), set(values[e.name])
-                if live != stored:
-                    raise StateMismatchError(
-                        f"state[{e.name!r}] does not match step {step}: missing keys {sorted(live - stored)[:5]}, "
-                        f"unexpected keys {sorted(stored - live)[:5]}")
+    def _fit(self, values: dict[str, Any], source: str, sel: Selection, available: Any) -> per_entry.Fitted:
+        """Refuse before touching anything when a chosen entry is missing (strict), a module's keys or shapes
+        differ (strict; else the keys that fit: :func:`per_entry.fit_module`) or an optimizer's groups differ."""
+
+        def fit_one(e: Entry, v: Any) -> tuple[Any, str | None]:
+            if e.kind == "module":
+                if is_fsdp1(e.obj):  # PyTorch's loader checks FSDP1's keys (strict=False: theirs)
+                    return (v if sel.strict else per_entry.KeySubset(v)), None
+                return per_entry.fit_module(e, live_module_state(e.obj), v, source, sel.strict)
+            if e.kind == "optimizer":
+                try:
+                    check_optimizer(e.obj, self.owner[e.name], v, f"state[{e.name!r}] at {source}")
+                except StateMismatchError as exc:
+                    if sel.strict:
+                        raise
+                    raise StateMismatchError(f"{exc} (strict=False does not apply inside an optimizer: leave "
+                                             f"{e.name!r} out of entries= to keep the live optimizer state)") from exc
+            return v, None
+
+        return per_entry.fit_values(sel, values, source, available=available, fit_one=fit_one)
 
     def _apply(self, e: Entry, value: Any, where: str) -> None:
         if e.kind == "module":

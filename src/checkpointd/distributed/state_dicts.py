@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from checkpointd.errors import StateMismatchError
+from checkpointd.restore.per_entry import KeySubset
 from checkpointd.state import unwrap_module
 from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
 
@@ -96,20 +97,35 @@ def live_module_state(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def load_module(model: torch.nn.Module, stored: dict[str, Any], where: str) -> None:
-    """Load a stored (full or sharded) FQN-keyed model state into ``model`` in place, on every rank."""
+    """Load a stored (full or sharded) FQN-keyed model state into ``model`` in place, on every rank.
+
+    A :class:`~checkpointd.restore.per_entry.KeySubset` (a non-strict restore) loads its keys only; the
+    model's other keys stay as they are (FSDP1: ``StateDictOptions(strict=False)``).
+    """
+    partial = isinstance(stored, KeySubset)
     if is_fsdp1(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, materialize(stored), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, materialize(stored), options=StateDictOptions(full_state_dict=True, strict=not partial))
         return
     live = live_module_state(model)
-    missing = sorted(set(live) - set(stored))
+    missing = [] if partial else sorted(set(live) - set(stored))
     extra = sorted(set(stored) - set(live))
     if missing or extra:
         raise StateMismatchError(f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys {extra[:5]}")
     for k, t in live.items():
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and k in stored:
             copy_into(t, stored[k], f"{where} key {k!r}")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, stored: Any, where: str) -> None:
+    """Refuse, before anything is loaded, stored optimizer state whose parameter groups do not fit ``optimizer``
+    (what :func:`load_optimizer` would refuse midway). FSDP1 is left to PyTorch's loader."""
+    if model is not None and is_fsdp1(model):
+        return
+    if not isinstance(stored, dict) or not isinstance(stored.get("param_groups", []), list):
+        raise StateMismatchError(f"{where}: the checkpoint holds a {type(stored).__name__}, not an optimizer state dict")
+    _param_map(optimizer, model, stored.get("param_groups", []), where)
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, stored: dict[str, Any], where: str) -> None:

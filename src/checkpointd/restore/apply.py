@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from checkpointd.restore import bulkcopy
-from checkpointd.restore.per_entry import apply_entry, match_optimizer_state_layout
+from checkpointd.restore.per_entry import KeySubset, apply_entry, match_optimizer_state_layout
 from checkpointd.state import Entry, unwrap_module
 
 logger = logging.getLogger("checkpointd")
@@ -45,7 +45,8 @@ default: on CPU, torch's ``.to()`` keeps the stored tensor itself, which costs n
 
 
 def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
-    """Load ``values[e.name]`` into every entry, in place (after ``check_compatible``)."""
+    """Load ``values[e.name]`` into every entry, in place (after ``per_entry.fit_values``; a module's
+    :class:`~checkpointd.restore.per_entry.KeySubset` loads its keys only)."""
     pairs: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     finish: list[Callable[[], None]] = []
     for e in entries:
@@ -130,10 +131,15 @@ def _plan_module(obj: nn.Module, value: Any, pairs: dict) -> Callable[[], None]:
     if not isinstance(value, Mapping):
         raise _NotPlain("stored value is not a mapping")
     live = module.state_dict(keep_vars=True)
-    if set(live) != set(value):
+    if isinstance(value, KeySubset):  # a non-strict restore: these keys only, the module's others stay
+        if not set(value) <= set(live):
+            raise _NotPlain("keys the module lacks")
+    elif set(live) != set(value):
         raise _NotPlain("keys differ")
     mine: list[tuple[torch.Tensor, torch.Tensor]] = []
     for k, t in live.items():
+        if k not in value:
+            continue  # KeySubset: left as it is
         v = value[k]
         if not (_plain_tensor(t) and _plain_tensor(v)) or t.shape != v.shape or torch.nn.parameter.is_lazy(t):
             raise _NotPlain(f"key {k!r} is not a plain tensor of the live shape")

@@ -15,7 +15,7 @@ import threading
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -26,11 +26,12 @@ from checkpointd.errors import CheckpointError, CorruptCheckpointError, UnsafeCh
 from checkpointd.format import layout
 from checkpointd.format.manifest import FileEntry, Manifest
 from checkpointd.format.mdlus import load_mdlus_state_dict
+from checkpointd.format.sharding import materialize
 from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.restore import device_image, fastload
 from checkpointd.restore.apply import apply_entries
-from checkpointd.restore.assemble import assemble_full_values
-from checkpointd.restore.per_entry import check_compatible
+from checkpointd.restore.assemble import assemble_full_values, sharded_values
+from checkpointd.restore.per_entry import Selection, check_compatible, fit_values  # noqa: F401 - check_compatible: benchmarks call it here
 from checkpointd.restore.verify import check_file
 from checkpointd.rng import check_rng
 from checkpointd.state import RNG_KEY, Entry
@@ -153,10 +154,14 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
     return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
 
 
-def values_by_entry(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str, Any]:
-    """``{state name: stored value}`` from decoded files, following the manifest's entry map."""
+def values_by_entry(manifest: Manifest, contents: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """``{state name: stored value}`` from decoded files, following the manifest's entry map.
+
+    ``names``: only these entries (those the manifest lacks are left out); default: every entry.
+    """
     out: dict[str, Any] = {}
-    for name, loc in manifest.entries.items():
+    chosen = manifest.entries.items() if names is None else [(n, manifest.entries[n]) for n in names if n in manifest.entries]
+    for name, loc in chosen:
         content = contents.get(loc.file)
         if content is None:
             raise CorruptCheckpointError(f"step {manifest.step}: entry {name!r} points to file {loc.file!r}, which was not read")
@@ -186,33 +191,66 @@ def rng_of(manifest: Manifest, contents: Mapping[str, Any]) -> Any:
     return None
 
 
-def restore_in_place(store: Store, step_dir: str, entries: list[Entry]) -> tuple[Manifest, dict[str, Any]]:
-    """Verify and read one committed step, check it fits ``entries``, then load it into them.
+def files_for(manifest: Manifest, selection: Selection) -> Manifest:
+    """The manifest cut to the files a restore of ``selection`` reads: every file without ``entries=``,
+    else the files holding the chosen entries, and the RNG file when RNG state is restored.
+
+    A sharded step keeps every file: each rank's file holds blocks of every entry.
+    """
+    if selection.read_all or manifest.mode == "sharded":
+        return manifest
+    paths = {manifest.entries[e.name].file for e in selection.entries if e.name in manifest.entries}
+    rng_file = manifest.extra.get("rng_file")
+    if selection.restores_rng and isinstance(rng_file, str):
+        paths.add(rng_file)
+    return Manifest(**{**manifest.__dict__, "files": [f for f in manifest.files if f.path in paths]})
+
+
+def restore_in_place(store: Store, step_dir: str, selection: Selection) -> tuple[Manifest, dict[str, Any], list[str]]:
+    """Verify and read one committed step, check it fits the chosen entries, then load it into them.
 
     Single-process path (a sharded checkpoint is assembled whole first). Nothing is applied unless
-    every file verified and every entry is compatible. Returns the manifest and decoded files (the
-    caller restores RNG from them).
+    every file read verified and every chosen entry is compatible. With ``entries=`` only the files
+    of the chosen entries are read (:func:`files_for`). Returns the manifest, the decoded files (the
+    caller restores RNG from them) and what ``strict=False`` left (:attr:`Fitted.left`).
     """
     manifest = read_committed_manifest(store, step_dir)
     sharded = manifest.mode == "sharded"  # a distributed save, restored whole into this process
+    names = None if selection.read_all else [e.name for e in selection.entries]
     # into CUDA tensors, mapped files of a single-process save may be verified on the GPU (their values
     # then copied from there); a sharded save's pieces are assembled on the host first
-    device = None if sharded else device_image.target_device([e.obj for e in entries])
+    device = None if sharded else device_image.target_device([e.obj for e in selection.entries])
     with device_image.verifying_on(device):
         with malformed_is_damage(store.display(step_dir)):
             if sharded:
                 contents = read_step(store, step_dir, manifest, rank=None)
-                values = assemble_full_values(manifest, contents)
+                if names is None:
+                    values = assemble_full_values(manifest, contents)
+                else:
+                    values = {n: materialize(t) for n, t in sharded_values(manifest, contents).items() if n in names}
             else:
-                contents = read_step(store, step_dir, manifest)
-                values = values_by_entry(manifest, contents)
-            check_compatible(entries, values, manifest.step,
-                             {name: loc.class_name for name, loc in manifest.entries.items()})
+                contents = read_step(store, step_dir, files_for(manifest, selection))
+                values = values_by_entry(manifest, contents, names)
+            fitted = fit_values(selection, values, f"step {manifest.step}",
+                                {name: loc.class_name for name, loc in manifest.entries.items()}, manifest.entries)
             rng = rng_of(manifest, contents)
             if rng is not None:
                 check_rng(rng)  # a malformed RNG state is damage, found before anything is applied
-        _apply(entries, values)
-    return manifest, contents
+        _apply(fitted.entries, fitted.values)
+    return manifest, contents, fitted.left
+
+
+def restore_values(selection: Selection, values: Mapping[str, Any], source: str,
+                   available: Iterable[str] | None = None) -> list[str]:
+    """Load already verified values (``checkpointd.load``'s) into the chosen entries, in place.
+
+    Checked first like a step (:func:`fit_values`, ``source`` names the checkpoint in messages);
+    returns what ``strict=False`` left.
+    """
+    with malformed_is_damage(source):
+        fitted = fit_values(selection, values, source, available=available)
+    _apply(fitted.entries, fitted.values)
+    return fitted.left
 
 
 @contextlib.contextmanager
@@ -249,6 +287,6 @@ def _apply(entries: list[Entry], values: Mapping[str, Any]) -> None:
         apply_entries(entries, values)
 
 
-__all__ = ["decode", "drop_later", "fast_read_applies", "load_native", "malformed_is_damage",
-           "read_local_fast", "read_step", "read_verified", "restore_in_place", "rng_of", "safe_torch_load",
-           "values_by_entry"]
+__all__ = ["decode", "drop_later", "fast_read_applies", "files_for", "load_native", "malformed_is_damage",
+           "read_local_fast", "read_step", "read_verified", "restore_in_place", "restore_values", "rng_of",
+           "safe_torch_load", "values_by_entry"]
