@@ -19,6 +19,16 @@ checkpoint exceeds it.
 (``ckd pin GB``) stays at the budget and the stall is the price, about (state - budget) / write bandwidth
 minus one forward/backward; ``stats()`` reports the hooks' wait as ``staging_hook_wait_secs``.
 
+``lightning_async`` and ``checkpointd_lightning`` save the dict a Lightning Trainer would
+(``{"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step", "epoch"}``)
+through Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())`` (one save in flight: its thread pool is
+drained before the next save) and through ``checkpointd.integrations.lightning.CheckpointdIO``
+(``save_checkpoint``, the previous file removed as ``ModelCheckpoint(save_top_k=1)`` does); not in the
+default list. For them, ``torch_save`` and the ``checkpointd`` methods, the ``saved=step`` column says
+whether the saved values are those of the save step: after the timed loop, one more save (untimed),
+two training steps right after it that change the live tensors, then the checkpoint loaded back and
+compared bit for bit with a copy taken at the save (``values_at_save`` in the JSON).
+
 A method may carry environment settings for its run: ``METHOD@NAME=VALUE[+NAME=VALUE...]``, e.g.
 ``checkpointd@CHECKPOINTD_IO_THREADS=2`` or ``checkpointd@CHECKPOINTD_RECYCLE=0``. They are set before the method's setup and put back
 after it; the persist process is restarted on both sides, so settings it reads at start apply.
@@ -48,7 +58,7 @@ WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
-               "io_only_reuse", "copy_only", "clone_only"]
+               "io_only_reuse", "copy_only", "clone_only", "lightning_async", "checkpointd_lightning"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none",
                    "checkpointd", "checkpointd_device", "none"]
@@ -74,6 +84,14 @@ class Saver:
     def before_opt_step(self) -> None: ...
     def save(self, step: int) -> None: ...
     def finish(self) -> None: ...
+    def close(self) -> None:
+        """After finish() and the values check: release what the method holds."""
+
+    def saved_values(self, step: int) -> dict | None:
+        """``{"model": state dict, "optim": optimizer state dict}`` as saved at ``step`` (the save drained
+        first), or None where the method does not support the values check."""
+        return None
+
     def extra(self) -> dict:
         return {}
 
@@ -93,6 +111,9 @@ class TorchSave(Saver):
         if prev and os.path.exists(prev):
             os.remove(prev)
         self._prev = path
+
+    def saved_values(self, step):
+        return torch.load(os.path.join(self.b.dir, f"s{step}.pt"), weights_only=True)
 
 
 class DcpAsync(Saver):
@@ -205,7 +226,14 @@ class Checkpointd(Saver):
         self.mgr.wait()
         self.drain_s = time.perf_counter() - t0
         self.stats = C.safe_stats(self.mgr)
+
+    def close(self):
         self.mgr.close()
+
+    def saved_values(self, step):
+        self.mgr.wait()
+        got = C.require_checkpointd().load(self.b.dir, step=step)
+        return {"model": got["model"], "optim": got["optim"]}
 
     def extra(self):
         return {"setup_s": getattr(self, "setup_s", None), "final_wait_s": getattr(self, "drain_s", None),
@@ -254,11 +282,113 @@ class CheckpointdThreads(Checkpointd):
         self._env.enter_context(C.env_set({"CHECKPOINTD_PERSIST_PROCESS": "0"}))
         super().setup()
 
-    def finish(self):
+    def close(self):
         try:
-            super().finish()
+            super().close()
         finally:
             self._env.close()
+
+
+def lightning_checkpoint(b: "Bench", step: int) -> dict:
+    """The dict a Lightning Trainer hands its CheckpointIO: live state dicts (sharing the parameters'
+    and the optimizer's memory) and the loop counters."""
+    return {"state_dict": b.model.state_dict(), "optimizer_states": [b.opt.state_dict()], "global_step": step,
+            "epoch": 0}
+
+
+def lightning_values(ckpt: dict) -> dict:
+    return {"model": ckpt["state_dict"], "optim": ckpt["optimizer_states"][0]}
+
+
+class LightningAsync(Saver):
+    """Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``: every tensor of the dict cloned on the
+    training thread, then ``torch.save`` on a worker thread. One save in flight: the worker is drained
+    (``teardown``) before the next save, as ``max_pending=1``; the previous file is removed after."""
+
+    name = "lightning_async"
+
+    def setup(self):
+        try:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: PLC0415
+        except ImportError as e:
+            raise SkipMethod(f"lightning is not installed ({e})") from e
+        saver = self
+
+        class TimedTorchIO(TorchCheckpointIO):
+            def save_checkpoint(self, *args, **kwargs):
+                super().save_checkpoint(*args, **kwargs)
+                saver.persist_s.append(time.perf_counter() - saver.t0)
+
+        self.io = AsyncCheckpointIO(TimedTorchIO())
+        self.prev: str | None = None
+        self.t0 = 0.0
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.b.dir, f"step={step}.ckpt")
+
+    def save(self, step):
+        self.io.teardown()  # the previous save finished (and raised, had it failed)
+        self.t0 = time.perf_counter()
+        self.io.save_checkpoint(lightning_checkpoint(self.b, step), self._path(step))
+        if self.prev is not None:
+            self.io.remove_checkpoint(self.prev)
+        self.prev = self._path(step)
+
+    def finish(self):
+        self.io.teardown()
+
+    def saved_values(self, step):
+        self.io.teardown()
+        return lightning_values(torch.load(self._path(step), weights_only=True))
+
+
+class CheckpointdLightning(Saver):
+    """``CheckpointdIO.save_checkpoint`` with the same dict (root ``DIR/.checkpointd``, the checkpointd
+    method's compression and max_pending); the previous file removed as ``ModelCheckpoint`` does."""
+
+    name = "checkpointd_lightning"
+
+    def setup(self):
+        try:
+            from checkpointd.integrations.lightning import CheckpointdIO, load_checkpoint  # noqa: PLC0415
+        except ImportError as e:
+            raise SkipMethod(f"lightning is not installed ({e})") from e
+        self.load_checkpoint = load_checkpoint
+        kw = C.manager_kwargs(C.merge_kwargs({"compression": None, "max_pending": self.b.args.max_pending},
+                                             self.b.ckd_kwargs))
+        takes = {"compression", "max_pending", "storage_options", "staging", "io"}
+        for k in sorted(set(kw) - takes):
+            self.notes.append(f"CheckpointdIO has no argument {k!r}; dropped")
+        self.io = CheckpointdIO(os.path.join(self.b.dir, ".checkpointd"), **{k: v for k, v in kw.items() if k in takes})
+        self.prev: str | None = None
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.b.dir, f"step={step}.ckpt")
+
+    def save(self, step):
+        self.io.save_checkpoint(lightning_checkpoint(self.b, step), self._path(step))
+        if self.prev is not None:
+            self.io.remove_checkpoint(self.prev)
+        self.prev = self._path(step)
+
+    def peek_stats(self):
+        return C.safe_stats(self.io)
+
+    def finish(self):
+        t0 = time.perf_counter()
+        self.io.wait()
+        self.drain_s = time.perf_counter() - t0
+        self.stats = C.safe_stats(self.io)
+
+    def close(self):
+        self.io.teardown()
+
+    def saved_values(self, step):
+        self.io.wait()
+        return lightning_values(self.load_checkpoint(self._path(step)))
+
+    def extra(self):
+        return {"final_wait_s": getattr(self, "drain_s", None), "stats": getattr(self, "stats", None)}
 
 
 def hold_frozen_heap() -> contextlib.ExitStack:
@@ -500,7 +630,7 @@ class CloneOnly(CopyOnly):
 
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
                               CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly,
-                              CloneOnly]}
+                              CloneOnly, LightningAsync, CheckpointdLightning]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -610,6 +740,33 @@ class Bench:
         out["target_device_ms"] = 20.0
         return out
 
+    # --- whether a method saves the values of the save step ------------------------------------------
+    def check_values(self, saver: Saver) -> dict | None:
+        """One more save after the timed loop (untimed), then two training steps that change the live
+        tensors while it may still be writing; the checkpoint loaded back is compared bit for bit with
+        a copy taken at the save. None for methods without ``saved_values``, and under torch.distributed
+        (``bench_stall_dist.py``: sharded state has no single-process copy to compare with)."""
+        if type(saver).saved_values is Saver.saved_values:
+            return None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return None
+        step = (self.steps // self.every + 1) * self.every  # a checkpoint step (checkpointd's schedule)
+        self.dev.sync()
+        ref = state_copy(self.model, self.opt)
+        saver.save(step)
+        for _ in range(2):
+            self.fwd_bwd()
+            saver.before_opt_step()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.dev.sync()
+        try:
+            got = saver.saved_values(step)
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be read back is the finding
+            return {"step": step, "equal": False, "first_difference": "load failed: " + C.error_text(e)}
+        diff = first_difference(ref, got)
+        return {"step": step, "equal": diff is None, "first_difference": diff}
+
     # --- one method ---------------------------------------------------------------------------------
     def run(self, method: str) -> dict:
         name, env = split_method(method)
@@ -677,13 +834,18 @@ class Bench:
             t0 = time.perf_counter()
             saver.finish()
             res["drain_after_loop_s"] = time.perf_counter() - t0
+            values = self.check_values(saver)
+            if values is not None:
+                res["values_at_save"] = values
+            saver.close()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             res["error"] = C.error_text(e)
-            try:
-                saver.finish()
-            except Exception:  # noqa: BLE001
-                pass
+            for end in (saver.finish, saver.close):
+                try:
+                    end()
+                except Exception:  # noqa: BLE001
+                    pass
         res.update({"step_s": step_t, "block_s": block_t, "saves": saves, "persist_s": saver.persist_s,
                     "notes": saver.notes, "mem_before": mem0, "mem_after_setup": mem_setup,
                     "mem_after_first_save": mem_first, "mem_end": C.host_memory(self.dev),
@@ -693,6 +855,36 @@ class Bench:
             res["slow_step_profile"] = C.slow_step_profile(step_t, counters.deltas)
         res.update(saver.extra())
         return res
+
+
+def state_copy(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The model's and optimizer's state dicts, every tensor copied to the CPU."""
+    def copy(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            return tree.detach().to("cpu", copy=True)
+        if isinstance(tree, dict):
+            return {k: copy(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(copy(v) for v in tree)
+        return tree
+    return {"model": copy(model.state_dict()), "optim": copy(opt.state_dict())}
+
+
+def first_difference(ref: Any, got: Any, where: str = "") -> str | None:
+    """Where ``got`` differs from ``ref`` (tensors bit for bit, on the CPU), or None if nowhere."""
+    if isinstance(ref, torch.Tensor):
+        ok = isinstance(got, torch.Tensor) and got.dtype == ref.dtype and torch.equal(ref, got.detach().cpu())
+        return None if ok else where or "."
+    if isinstance(ref, dict):
+        if not isinstance(got, dict) or set(map(str, ref)) != set(map(str, got)):
+            return f"{where}: keys differ"
+        by_str = {str(k): v for k, v in got.items()}
+        return next((d for k, v in ref.items() if (d := first_difference(v, by_str[str(k)], f"{where}/{k}"))), None)
+    if isinstance(ref, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(ref):
+            return f"{where}: lengths differ"
+        return next((d for i, (a, b) in enumerate(zip(ref, got)) if (d := first_difference(a, b, f"{where}/{i}"))), None)
+    return None if ref == got else where or "."
 
 
 def run_base(method: str) -> str:
@@ -1038,12 +1230,18 @@ def summarise(res: dict) -> str:
         if me.get("rss_bytes") and m0.get("rss_bytes"):
             row["drss"] = C.fmt((me["rss_bytes"] - m0["rss_bytes"]) / 1e9, ".2f")
         persist_and_notes(r, row, 110)
+        values = r.get("values_at_save")
+        if values is not None:
+            row["values"] = "ok" if values.get("equal") else "DIFFER"
+            if not values.get("equal"):
+                row["note"] = f"saved values differ at {values.get('first_difference')}; " + row.get("note", "")
         rows.append(row)
     cols = [("method", "method"), ("stall", "stall ms"), ("smin", "min"), ("smax", "max"), ("first", "first"),
             ("clip", "stall+"), ("local", "local"), ("paired", "paired"), ("where", "save/+1/+2/rest"), ("block", "block ms"), ("bfirst", "block 1st"), ("pre", "pre ms"), ("med", "step ms"),
             ("steady", "steady x"), ("pinned", "pin GB"), ("newpin", "new pins"), ("ckdpin", "ckd pin GB"),
             ("ckdnew", "ckd new allocs"), ("drss", "dRSS GB"),
-            ("persist", "persist s"), ("writes", "write s 1st/last [recycled]"), ("target", "target"), ("note", "note")]
+            ("persist", "persist s"), ("writes", "write s 1st/last [recycled]"), ("values", "saved=step"),
+            ("target", "target"), ("note", "note")]
     i = res["info"]
     w = res["workload"]
     head = (f"\n== stall: {i['device']}, torch {i['torch']}, {i['date']}\n"
@@ -1072,6 +1270,8 @@ def summarise(res: dict) -> str:
              "   steady x = mean step time between checkpoints (outside the windows) / `none` on the same steps; "
              "pin GB = peak torch pinned allocator bytes; new pins = pinned allocations after the first save;\n"
              "   ckd pin GB / ckd new allocs = checkpointd stats() pinned_bytes / staging_allocations made after the first save;\n"
+             "   saved=step = one more save after the loop, two training steps right after it, loaded back: ok when it holds\n"
+             "   the values of its save step bit for bit;\n"
              "   " + WRITES_LEGEND)
     warning = drift_warning(runs)
     outside = outside_warning(runs)
