@@ -23,8 +23,7 @@ minus one forward/backward; ``stats()`` reports the hooks' wait as ``staging_hoo
 (``{"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step", "epoch"}``)
 through Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())`` (one save in flight: its thread pool is
 drained before the next save) and through ``checkpointd.integrations.lightning.CheckpointdIO``
-(``save_checkpoint``, the previous file removed as ``ModelCheckpoint(save_top_k=1)`` does); not in the
-default list. For them, ``torch_save`` and the ``checkpointd`` methods, the ``saved=step`` column says
+(``save_checkpoint``, the previous file removed as ``ModelCheckpoint(save_top_k=1)`` does). For them, ``torch_save`` and the ``checkpointd`` methods, the ``saved=step`` column says
 whether the saved values are those of the save step: after the timed loop, one more save (untimed),
 two training steps right after it that change the live tensors, then the checkpoint loaded back and
 compared bit for bit with a copy taken at the save (``values_at_save`` in the JSON).
@@ -60,7 +59,8 @@ ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpoin
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
                "io_only_reuse", "copy_only", "clone_only", "lightning_async", "checkpointd_lightning"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
-                   "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "none",
+                   "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "lightning_async",
+                   "checkpointd_lightning", "none",
                    "checkpointd", "checkpointd_device", "none"]
 """The baselines once; checkpointd's two targeted modes twice, between `none` runs, for the interleaved
 estimate (:func:`interleaved_summary`) that a drifting loop cannot bias."""

@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/run_gpu.sh
 #
-# Installs the carried wheels (if $WHEELS exists: zstandard, fsspec, zlib-ng), then runs, with PYTHONPATH=src:
+# Installs the carried wheels (if $WHEELS exists: zstandard, fsspec, zlib-ng, lightning), then runs, with PYTHONPATH=src:
 #   1. bench_stall.py   (training stall; tmpfs target)            -> $OUT/stall.json
 #   2. bench_persist.py (persist throughput; tmpfs, then disk)     -> $OUT/persist_tmpfs.json, persist_disk.json
 #   3. bench_restore.py (restore throughput; tmpfs, then disk)     -> $OUT/restore_tmpfs.json, restore_disk.json
@@ -67,6 +67,9 @@ if [ -d "$WHEELS" ]; then
     for pkg in zstandard fsspec zlib-ng; do
         "$PY" -m pip install --no-index --find-links "$WHEELS" "$pkg" 2>&1 | tail -n 1
     done
+    # the stall benchmark's Lightning rows: `lightning` is pure Python; its dependencies are those of
+    # the pytorch-lightning package CUDA images ship (without either the rows say "skipped")
+    "$PY" -m pip install --no-deps --no-index --find-links "$WHEELS" lightning 2>&1 | tail -n 1
 fi
 echo "== building the native libraries in place"
 "$PY" setup.py -q build_ext --inplace 2>&1 | tail -n 3

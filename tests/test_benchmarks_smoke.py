@@ -49,7 +49,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
 def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
     with_env = "checkpointd@CHECKPOINTD_IO_THREADS=2+CHECKPOINTD_RECYCLE=0"
-    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,io_only,copy_only,clone_only,{with_env},none",
+    proc = _run("bench_stall.py", "--cpu", "--tiny", "--methods", f"none,checkpointd,torch_save,lightning_async,checkpointd_lightning,io_only,copy_only,clone_only,{with_env},none",
                 "--step-counters", "--dir", str(tmp_path / "ckd"), "--json", str(out))
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[with_env]["env"] == {"CHECKPOINTD_IO_THREADS": "2", "CHECKPOINTD_RECYCLE": "0"}
@@ -60,6 +60,9 @@ def test_bench_stall_cpu_smoke(tmp_path: Path) -> None:
     assert len(ckd["stall_local_ms"]) == len(ckd["stall_ms"]) and "local" in proc.stdout
     assert ckd["stats"]["saves_committed"] == len(ckd["saves"]) >= 3
     assert len(runs["torch_save"]["stall_ms"]) >= 3
+    for m in ("checkpointd", "torch_save", "lightning_async", "checkpointd_lightning"):  # saved=step: what each wrote
+        assert "error" not in runs[m] and len(runs[m]["stall_ms"]) >= 3, runs[m].get("error")
+        assert runs[m]["values_at_save"]["equal"] is True, (m, runs[m]["values_at_save"])
     io_only = runs["io_only"]  # the persist process writing the same bytes, nothing else
     assert "error" not in io_only and "skipped" not in io_only, io_only.get("error") or io_only.get("skipped")
     assert len(io_only["stall_ms"]) >= 3 and len(io_only["persist_s"]) >= 2 and all(t > 0 for t in io_only["persist_s"])
