@@ -16,6 +16,22 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
 
+# ==== the test runner's heap: frozen once for the session ========================================
+# A manager collects and freezes the heap at construction when no other manager holds a freeze
+# (save/gcfreeze.py): a full collection of everything the runner imported (torch, lightning,
+# transformers, torchao: ~400,000 objects, 0.3-1 s) for each of the suite's many managers. The session
+# holds one freeze instead, taken after collection, as an application whose manager outlives the others
+# would; tests/save/test_stall_measures.py exercises the managers' own freeze and gives this one back.
+
+@pytest.fixture(scope="session", autouse=True)
+def runner_heap_frozen_once() -> Iterator[None]:
+    from checkpointd.save import gcfreeze
+
+    gcfreeze.acquire()
+    yield
+    gcfreeze.release()
+
+
 # ==== S3 server (SeaweedFS `weed mini` on 127.0.0.1), storage/retry tests =======================
 # One server per test session; every test gets its own fresh prefix. In CI (CI=true) a server that
 # cannot start FAILS the tests that need it; elsewhere they are skipped with the reason.

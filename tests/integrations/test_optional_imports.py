@@ -1,26 +1,28 @@
 """The integrations' frameworks stay optional: importing checkpointd (its API, its CLI, load and export)
-imports none of them."""
+imports none of them, and the transformers integration does not import lightning."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 OPTIONAL = ("lightning", "pytorch_lightning", "transformers", "accelerate", "safetensors")
 
-
-def _imported_after(code: str) -> set[str]:
-    probe = (f"import sys\n{code}\n"
-             f"print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r}))))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    return set(out.stdout.split())
-
-
-def test_importing_checkpointd_imports_no_framework():
-    assert _imported_after("import checkpointd, checkpointd.cli, checkpointd.load, checkpointd.export, "
-                           "checkpointd.integrations") == set()
+PROBE = f"""
+import json, sys
+def imported():
+    return sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r}))
+import checkpointd, checkpointd.cli, checkpointd.load, checkpointd.export, checkpointd.integrations
+core = imported()
+import checkpointd.integrations.transformers
+print(json.dumps({{"core": core, "transformers": imported()}}))
+"""
 
 
-def test_the_transformers_integration_does_not_import_lightning():
+def test_optional_frameworks_are_imported_only_by_their_integration():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["core"] == []
     # (the other way round cannot be asked: lightning itself imports transformers when it is installed)
-    assert "lightning" not in _imported_after("import checkpointd.integrations.transformers")
+    assert "transformers" in seen["transformers"] and "lightning" not in seen["transformers"]

@@ -36,8 +36,10 @@ def gc_restored():
     """Start with no manager holding a freeze (earlier tests may leave managers open) and leave the
     collector as the test found it."""
     enabled = gc.isenabled()
-    while gcfreeze.holders():
+    held = 0
+    while gcfreeze.holders():  # (the session's own hold too: tests/conftest.py)
         gcfreeze.release()
+        held += 1
     yield
     while gcfreeze.holders():
         gcfreeze.release()
@@ -46,6 +48,8 @@ def gc_restored():
         gc.enable()
     else:
         gc.disable()
+    for _ in range(held):
+        gcfreeze.acquire()
 
 
 def test_manager_freezes_the_heap_until_the_last_manager_closes(tmp_path, gc_restored) -> None:
