@@ -1,4 +1,4 @@
-"""Tiny models with torchao's quantized tensors, and a test-defined traceable tensor subclass.
+"""Tiny models with torchao's quantized tensors.
 
 Shared by the tests of ``tests/subclasses`` and by ``qlora_worker.py`` (run in a child process):
 Int8 weight-only (``Int8Tensor``), Float8 weight-only on bf16 (``Float8Tensor``), QLoRA (frozen
@@ -14,7 +14,6 @@ from typing import Any, Callable
 import torch
 import torchao  # noqa: F401 - registers torchao's classes as torch safe globals
 from torch import nn
-from torch.utils._pytree import tree_map_only
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
@@ -114,28 +113,6 @@ def optimizer_bits(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {f"{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items()}
 
 
-class PairTensor(torch.Tensor):
-    """A minimal traceable wrapper subclass (two inner tensors, a tag) that no library accepts."""
-
-    @staticmethod
-    def __new__(cls, a: torch.Tensor, b: torch.Tensor, tag: str = "pair") -> "PairTensor":
-        return torch.Tensor._make_wrapper_subclass(cls, a.shape, dtype=a.dtype, device=a.device)
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, tag: str = "pair") -> None:
-        self.a, self.b, self.tag = a, b, tag
-
-    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
-        return ["a", "b"], {"tag": self.tag}
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: dict[str, Any], size: Any, stride: Any) -> "PairTensor":
-        return PairTensor(inner["a"], inner["b"], ctx["tag"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.detach.default:
-            (t,) = args
-            return PairTensor(t.a.detach(), t.b.detach(), t.tag)
-        out = func(*tree_map_only(PairTensor, lambda t: t.a, args), **tree_map_only(PairTensor, lambda t: t.a, kwargs))
-        return out
+def run_qlora(model: nn.Module, opt: torch.optim.Optimizer, steps: range, after_step: Callable[[int], Any] | None = None) -> None:
+    """QLoRA training steps (inputs of 256 bf16 features)."""
+    train_steps(model, opt, steps, 256, torch.bfloat16, after_step)
