@@ -25,6 +25,8 @@ def test_public_names_are_pinned():
     assert sorted(checkpointd.__all__) == sorted([
         "CheckpointManager",
         "load",
+        "allow_tensor_subclasses",
+        "register_dequantizer",
         "DistributedOptions",
         "IOOptions",
         "StagingOptions",
@@ -41,6 +43,7 @@ def test_public_names_are_pinned():
         "StateError",
         "StateMismatchError",
         "StepAlreadyExistsError",
+        "UnacceptedSubclassError",
         "UnsafeCheckpointError",
         "__version__",
     ])

@@ -2,7 +2,13 @@
 
 Each kind, in each place state can hold a tensor (a tensor entry, a module buffer or parameter seen
 through its state_dict, an optimizer's state, plain data), raises ``StateError`` from ``maybe_save``
-itself, naming the entry and key path and what to do, and nothing is written."""
+itself, naming the entry and key path and what to do, and nothing is written.
+
+Traceable wrapper subclasses (``__tensor_flatten__``/``__tensor_unflatten__``: torchao's quantized
+tensors, see ``tests/subclasses``) are accepted when their class is; still refused: nested tensors
+(jagged ones are traceable subclasses too), PyTorch's built-in quantized tensors, sparse and meta
+tensors, a subclass without ``__tensor_flatten__``, a class not accepted, and an accepted class whose
+attributes hold something a weights-only loader cannot read or whose inner tensor is itself refused."""
 
 from __future__ import annotations
 
@@ -14,8 +20,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
+import checkpointd
 from checkpointd import CheckpointManager, StateError
+from checkpointd.format import subclasses
 from checkpointd.state import validate_tree
+from tests.subclasses.pair_tensor import PairTensor
 
 pytestmark = pytest.mark.filterwarnings(  # torch warns that these kinds of tensor are deprecated or in beta
     "ignore:.*quantized tensor creation functions.*:UserWarning", "ignore:Sparse CSR tensor support:UserWarning")
@@ -132,3 +141,35 @@ def test_dense_tensors_of_the_same_values_are_accepted() -> None:
     validate_tree({"deq": q.dequantize(), "codes": q.int_repr(), "scale": q.q_scale(), "zp": q.q_zero_point(),
                    "parts": list(n.unbind()), "padded": torch.nested.to_padded_tensor(n, 0.0),
                    "dense": torch.eye(3).to_sparse().to_dense()}, "state['d']")
+
+
+class _Tagged(torch.Tensor):
+    """A subclass made with ``as_subclass``: no ``__tensor_flatten__``, so no inner tensors to store."""
+
+
+@pytest.mark.parametrize("case", ["not traceable", "not accepted", "unsafe attribute", "meta inner"])
+def test_subclasses_that_cannot_be_stored_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    bad: torch.Tensor
+    if case == "not traceable":
+        bad = torch.ones(3).as_subclass(_Tagged)
+        what = r"is a tensor subclass .*_Tagged that does not implement __tensor_flatten__/__tensor_unflatten__"
+    elif case == "not accepted":
+        bad = PairTensor(torch.ones(3), torch.zeros(3))
+        what = (r"is a tensor subclass tests.subclasses.pair_tensor.PairTensor, which checkpointd does not accept; if "
+                r"you trust its code, call checkpointd.allow_tensor_subclasses\(PairTensor\)")
+    else:
+        monkeypatch.setattr(subclasses, "ALLOWED", dict(subclasses.ALLOWED))
+        checkpointd.allow_tensor_subclasses(PairTensor)
+        if case == "unsafe attribute":
+            bad = PairTensor(torch.ones(3), torch.zeros(3), tag=object())  # type: ignore[arg-type]
+            what = (r"is a tensor subclass tests.subclasses.pair_tensor.PairTensor whose attribute 'tag' holds a "
+                    r"builtins.object, which a weights-only loader cannot read")
+        else:
+            bad = PairTensor(torch.ones(3), torch.empty(3, device="meta"))
+            what = r"\(PairTensor\) has an inner tensor 'b' that is a meta tensor"
+    state, key = _place("module buffer", bad)
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, state) as mgr:
+        with pytest.raises(StateError, match=key + what):
+            mgr.maybe_save(1, force=True)
+    assert _written(root) == []

@@ -4,6 +4,10 @@ The public API (SPEC §1)::
 
     from checkpointd import CheckpointManager, load, CheckpointError, CheckpointWriteError
 
+Tensor subclasses (torchao's quantized tensors) are stored bit-exactly through their inner tensors;
+:func:`allow_tensor_subclasses` accepts classes beyond the built-in torchao ones, and
+``load(..., dequantize=True)`` gives plain copies (:func:`register_dequantizer` for other classes).
+
 The manager's tuning knobs are grouped in :class:`StagingOptions`, :class:`IOOptions` and
 :class:`DistributedOptions` (``options.py``).
 
@@ -27,8 +31,11 @@ from checkpointd.errors import (  # noqa: E402
     StateError,
     StateMismatchError,
     StepAlreadyExistsError,
+    UnacceptedSubclassError,
     UnsafeCheckpointError,
 )
+from checkpointd.format.dequantize import register_dequantizer  # noqa: E402
+from checkpointd.format.subclasses import allow_tensor_subclasses  # noqa: E402
 from checkpointd.load import load  # noqa: E402
 from checkpointd.manager import CheckpointManager  # noqa: E402
 from checkpointd.options import DistributedOptions, IOOptions, StagingOptions  # noqa: E402
@@ -36,6 +43,8 @@ from checkpointd.options import DistributedOptions, IOOptions, StagingOptions  #
 __all__ = [
     "CheckpointManager",
     "load",
+    "allow_tensor_subclasses",
+    "register_dequantizer",
     "DistributedOptions",
     "IOOptions",
     "StagingOptions",
@@ -52,6 +61,7 @@ __all__ = [
     "StateError",
     "StateMismatchError",
     "StepAlreadyExistsError",
+    "UnacceptedSubclassError",
     "UnsafeCheckpointError",
     "__version__",
 ]

@@ -52,6 +52,14 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
     """A checkpoint file whose pickle references code outside the safe allow-list; nothing was run."""
 
 
+class UnacceptedSubclassError(UnsafeCheckpointError):
+    """A checkpoint holds a tensor subclass that this process has not imported or does not accept.
+
+    The caller's set-up, not damage: a restore stops here instead of skipping (and setting aside) the
+    step, and the message says what to import or allow.
+    """
+
+
 class RootInUseError(CheckpointError):
     """Another live writer holds the checkpoint root's lease (one writer per root); the message names it.
 

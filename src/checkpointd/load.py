@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any
 
 from checkpointd import commit
 from checkpointd.format import dcp, layout
+from checkpointd.format.dequantize import dequantize_tree
+from checkpointd.format.subclasses import check_described, check_loaded
 from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from checkpointd.restore.assemble import assemble_full_values
 from checkpointd.restore.step import decode, load_native, malformed_is_damage, read_step, values_by_entry
@@ -25,7 +28,8 @@ _DCP_STEP_RE = re.compile(r"^step-(?P<step>[0-9]{1,18})$")
 """TorchTitan's checkpoint folders: ``step-10``, one DCP directory each."""
 
 
-def load(path: str | os.PathLike[str], step: int | None = None, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], step: int | None = None, storage_options: dict[str, Any] | None = None, *,
+         dequantize: bool = False) -> dict[str, Any]:
     """Load one checkpoint as ``{state name: stored value}`` with CPU tensors.
 
     Args:
@@ -34,17 +38,37 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
             folder of ``step-N`` DCP directories (the newest, or ``step``).
         step: which step to load from a root, a PhysicsNeMo directory or a folder of DCP directories.
         storage_options: passed to fsspec.
+        dequantize: give every tensor subclass (torchao's quantized tensors) as a plain tensor computed
+            by its class (:mod:`checkpointd.format.dequantize`), with a warning: those values are not
+            bit-exact. By default the subclass objects come back as stored (their classes must be
+            imported and accepted, see ``checkpointd.allow_tensor_subclasses``).
 
     Raises:
         CheckpointNotFoundError: nothing loadable at ``path`` (or no such step).
         CorruptCheckpointError / IncompleteCheckpointError: the checkpoint does not verify.
-        UnsafeCheckpointError: a file references code outside the allow-lists; nothing of it was run.
+        UnsafeCheckpointError: a file references code outside the allow-lists, or a tensor subclass this
+            process has not imported or does not accept; nothing of it was run.
         ManifestError: a manifest or DCP ``.metadata`` is malformed.
 
     A DCP directory comes back as DCP's own loader rebuilds it: nested dicts keyed as DCP flattened
     them, so integer keys (an optimizer's ``state``) are strings; tensors whole and contiguous.
     """
     store = Store(path, storage_options)
+    values = _load(store, step)
+    check_loaded(values, store.display())
+    if not dequantize:
+        return values
+    done: dict[str, str] = {}
+    values = dequantize_tree(values, (), done)
+    if done:
+        keys = ", ".join(f"{k!r} ({c.rpartition('.')[2]})" for k, c in list(done.items())[:8])
+        warnings.warn(f"checkpointd: load(dequantize=True) gave {len(done)} tensor subclass value(s) as plain "
+                      f"dequantized tensors, which are not bit-exact copies of the saved values: {keys}"
+                      + (" and more" if len(done) > 8 else ""), UserWarning, stacklevel=2)
+    return values
+
+
+def _load(store: Store, step: int | None) -> Any:
     if store.is_file(""):
         return _load_single_file(store)
     names = store.list_dir("")
@@ -73,6 +97,7 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
 
 def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
     manifest = commit.read_committed_manifest(store, step_dir)
+    check_described(manifest.extra.get("subclasses"), store.display(step_dir))  # before any pickle runs
     with malformed_is_damage(store.display(step_dir)):
         contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
         if manifest.mode == "sharded":  # sharded checkpoints: merge the shards

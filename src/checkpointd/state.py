@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, cast
 
 import torch
 
-from checkpointd.format import layout
+from checkpointd.format import layout, subclasses
 from checkpointd.errors import ConfigError, StateError
 
 # Keys of PhysicsNeMo's training-state file, and ours.
@@ -245,7 +245,8 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def validate_tree(tree: Any, where: str, module_keys: bool = False) -> None:
     """Raise StateError for anything a weights-only ``torch.load`` could not read back, and for tensors
-    the snapshot cannot copy as plain bytes: meta, nested, quantized, sparse or other non-strided ones."""
+    the snapshot cannot copy as plain bytes: meta, nested, quantized, sparse or other non-strided ones,
+    and tensor subclasses that :mod:`checkpointd.format.subclasses` cannot store through their inner tensors."""
     _validate(tree, (where,), module_keys, depth=0)
 
 
@@ -299,7 +300,7 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.layout is not _STRIDED:
         return f"has layout {t.layout}; convert it to a dense tensor (to_dense()) before saving"
     if type(t) not in _PLAIN_TENSORS and not _is_dtensor(t):
-        return f"is a tensor subclass {type(t).__name__}; register plain tensors"
+        return subclasses.save_problem(t, _tensor_problem)  # stored through its inner tensors, or refused
     return None
 
 

@@ -16,6 +16,8 @@ restore. Here:
   state tensor when that already has exactly this shape, dtype, device and strides (copied in place),
   else a new one allocated with them. Torch's own ``load_state_dict`` then runs on those tensors (its
   ``.to()`` is a no-op for them), so param groups, hooks and ``__setstate__`` stay torch's;
+- tensor subclasses (torchao's quantized tensors) of such modules and tensor entries get their inner
+  tensors copied in place (:mod:`checkpointd.restore.inner_copies`), or are rebuilt and swapped in;
 - all those copies go through :func:`checkpointd.restore.bulkcopy.copy_pairs` together.
 
 Everything else (schedulers, plain data, custom modules/optimizers, unusual tensors) takes
@@ -32,7 +34,9 @@ from typing import Any, Callable, Mapping, TypeGuard
 import torch
 from torch import nn
 
+from checkpointd.format.subclasses import is_stored_subclass
 from checkpointd.restore import bulkcopy
+from checkpointd.restore.inner_copies import subclass_copies
 from checkpointd.restore.per_entry import KeySubset, apply_entry, match_optimizer_state_layout
 from checkpointd.state import Entry, unwrap_module
 
@@ -137,19 +141,35 @@ def _plan_module(obj: nn.Module, value: Any, pairs: dict) -> Callable[[], None]:
     elif set(live) != set(value):
         raise _NotPlain("keys differ")
     mine: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rebuilds: list[Callable[[], None]] = []
     for k, t in live.items():
         if k not in value:
             continue  # KeySubset: left as it is
         v = value[k]
+        if is_stored_subclass(t):  # a quantized tensor: its inner tensors, in place (or a rebuild)
+            inner, rebuild = subclass_copies(t, v, f"key {k!r}")
+            mine += inner
+            rebuilds += [rebuild] if rebuild is not None else []
+            continue
         if not (_plain_tensor(t) and _plain_tensor(v)) or t.shape != v.shape or torch.nn.parameter.is_lazy(t):
             raise _NotPlain(f"key {k!r} is not a plain tensor of the live shape")
         mine.append((t.detach(), v))
     for dst, src in mine:
         _add(pairs, dst, src)
-    return _done
+    return functools.partial(_run_all, rebuilds) if rebuilds else _done
+
+
+def _run_all(steps: list[Callable[[], None]]) -> None:
+    for fn in steps:
+        fn()
 
 
 def _plan_tensor(obj: torch.Tensor, value: Any, pairs: dict) -> Callable[[], None]:
+    if is_stored_subclass(obj):
+        inner, rebuild = subclass_copies(obj, value, "tensor")
+        for dst, src in inner:
+            _add(pairs, dst, src)
+        return rebuild or _done
     if not (_plain_tensor(obj) and _plain_tensor(value)) or obj.shape != value.shape:
         raise _NotPlain("not a plain tensor of the live shape")
     _add(pairs, obj.detach(), value)

@@ -28,6 +28,7 @@ import torch
 
 from checkpointd.errors import ConfigError, StateMismatchError
 from checkpointd.format.sharding import stored_shape
+from checkpointd.format.subclasses import is_stored_subclass, qualname
 from checkpointd.state import RESERVED_KEYS, Entry, unwrap_module
 
 
@@ -148,7 +149,8 @@ def check_compatible(entries: list[Entry], values: Mapping[str, Any], step: int,
 def fit_module(e: Entry, live: Mapping[str, Any], stored: Any, source: str, strict: bool) -> tuple[Any, str | None]:
     """``(value to load, what is left or None)`` for the module entry ``e`` with live state ``live``.
 
-    Strict: the keys and every tensor's shape must match. Not strict: the keys both sides hold with
+    Strict: the keys and every tensor's shape must match. Either way a tensor subclass (a quantized
+    tensor) is restored only into the same class, never into a plain tensor or another class. Not strict: the keys both sides hold with
     one shape, as a :class:`KeySubset` when that is not all of them (see the module docstring).
     """
     name, cls = f"state[{e.name!r}]", e.class_name or type(e.obj).__name__
@@ -159,6 +161,11 @@ def fit_module(e: Entry, live: Mapping[str, Any], stored: Any, source: str, stri
     extra = [k for k in stored if k not in live]
     reshaped = [k for k in live if k in stored and stored_shape(live[k]) is not None
                 and stored_shape(stored[k]) is not None and stored_shape(live[k]) != stored_shape(stored[k])]
+    for k in live:
+        if k in stored and _subclass_of(live[k]) != _subclass_of(stored[k]):
+            raise StateMismatchError(f"{name} key {k!r}: the live tensor is {_subclass_of(live[k]) or 'a plain tensor'}, "
+                                     f"{source} holds {_subclass_of(stored[k]) or 'a plain tensor'}; build the model "
+                                     "with the quantization it was saved with (or load(..., dequantize=True))")
     if strict:
         if missing or extra:
             raise StateMismatchError(f"{name} ({cls}) does not match {source}: missing keys "
@@ -186,6 +193,11 @@ def fit_module(e: Entry, live: Mapping[str, Any], stored: Any, source: str, stri
     if extra:
         note += ("; " if parts else "") + f"saved {_names(extra, 'key')} not in the module ignored"
     return subset, note
+
+
+def _subclass_of(v: Any) -> str | None:
+    """The qualified class of a stored tensor subclass (a quantized tensor); None for anything else."""
+    return qualname(type(v)) if is_stored_subclass(v) else None
 
 
 def _names(names: list[Any], what: str = "entr", quote: bool = True) -> str:

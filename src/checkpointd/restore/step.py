@@ -27,6 +27,7 @@ from checkpointd.format import layout
 from checkpointd.format.manifest import FileEntry, Manifest
 from checkpointd.format.mdlus import load_mdlus_state_dict
 from checkpointd.format.sharding import materialize
+from checkpointd.format.subclasses import check_described, check_loaded
 from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.restore import device_image, fastload
 from checkpointd.restore.apply import apply_entries
@@ -215,6 +216,8 @@ def restore_in_place(store: Store, step_dir: str, selection: Selection) -> tuple
     caller restores RNG from them) and what ``strict=False`` left (:attr:`Fitted.left`).
     """
     manifest = read_committed_manifest(store, step_dir)
+    # a tensor subclass this process has not imported or does not accept: refused before any pickle runs
+    check_described(manifest.extra.get("subclasses"), f"step {manifest.step}")
     sharded = manifest.mode == "sharded"  # a distributed save, restored whole into this process
     names = None if selection.read_all else [e.name for e in selection.entries]
     # into CUDA tensors, mapped files of a single-process save may be verified on the GPU (their values
@@ -231,6 +234,7 @@ def restore_in_place(store: Store, step_dir: str, selection: Selection) -> tuple
             else:
                 contents = read_step(store, step_dir, files_for(manifest, selection))
                 values = values_by_entry(manifest, contents, names)
+            check_loaded(values, f"step {manifest.step}")
             fitted = fit_values(selection, values, f"step {manifest.step}",
                                 {name: loc.class_name for name, loc in manifest.entries.items()}, manifest.entries)
             rng = rng_of(manifest, contents)
@@ -248,6 +252,7 @@ def restore_values(selection: Selection, values: Mapping[str, Any], source: str,
     returns what ``strict=False`` left.
     """
     with malformed_is_damage(source):
+        check_loaded(values, source)
         fitted = fit_values(selection, values, source, available=available)
     _apply(fitted.entries, fitted.values)
     return fitted.left

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from checkpointd.format.serialize import ReductionCache, plan_pt
+from checkpointd.format.subclasses import SubclassRecord
 from checkpointd.save.job import FileJob, SaveJob, Slot
 from checkpointd.state import DeferredScalar
 
@@ -145,7 +146,8 @@ class NeedsCopiedValue(Exception):
 def fill_slots(obj: Any, staged: list[torch.Tensor], copied: bool = True) -> Any:
     """The skeleton with staged tensors in its slots and DeferredScalars turned into numbers, in one walk.
 
-    Containers come out as OrderedDict, dict, list or tuple (what the pickle needs; torch.Size kept).
+    Containers come out as OrderedDict, dict, list or tuple (what the pickle needs; torch.Size kept);
+    a tensor subclass's record gets its staged inner tensors.
     ``copied=False``: raise :class:`NeedsCopiedValue` instead of reading a staged tensor's value.
     """
     if isinstance(obj, Slot):
@@ -154,6 +156,8 @@ def fill_slots(obj: Any, staged: list[torch.Tensor], copied: bool = True) -> Any
         if isinstance(obj.tensor, Slot) and not copied:
             raise NeedsCopiedValue
         return obj.as_type(fill_slots(obj.tensor, staged, copied).item())
+    if isinstance(obj, SubclassRecord):  # its inner tensors' slots
+        return obj.mapped(lambda v: fill_slots(v, staged, copied))
     if isinstance(obj, OrderedDict):
         return OrderedDict((k, fill_slots(v, staged, copied)) for k, v in obj.items())
     if isinstance(obj, dict):

@@ -25,6 +25,7 @@ from checkpointd.version import VERSION
 from checkpointd.format import layout
 from checkpointd.format.manifest import EntryLocation, Manifest
 from checkpointd.format.serialize import plan_pt
+from checkpointd.format.subclasses import SubclassRecord, describe_records, is_stored_subclass
 from checkpointd.save.job import FileSource, SaveJob, Slot
 from checkpointd.save.planning import REDUCTIONS
 from checkpointd.save.snapshot import Snapshotter
@@ -51,17 +52,24 @@ def prewarm_reductions(arena: Any) -> None:
         logger.debug("checkpointd: could not pre-pickle the staging buffers: %s", exc)
 
 
-def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+def collect_tensors(trees: Sequence[Any], records: dict[int, SubclassRecord] | None = None) -> tuple[list[Any], list[torch.Tensor]]:
     """Skeletons of ``trees`` (tensors replaced by slots) and the distinct tensors, in walk order.
 
     Two entries are one tensor (stored once, e.g. tied weights) when they are the same view of the same
-    memory. Most tensors start at an address no other one does, so the full view key is built only for
+    memory. A tensor subclass becomes a :class:`~checkpointd.format.subclasses.SubclassRecord` whose inner
+    tensors are slots (staged like any tensor, never dequantized); the same object twice is one record. Most tensors start at an address no other one does, so the full view key is built only for
     those that share one: this runs on the training thread for every tensor of every save.
     """
     tensors: list[torch.Tensor] = []
     at_address: dict[int, list[int]] = {}
+    records = {} if records is None else records
 
-    def collect(t: torch.Tensor) -> Slot:
+    def collect(t: torch.Tensor) -> Any:
+        if type(t) not in _PLAIN and is_stored_subclass(t):  # validated: its inner tensors become slots
+            record = records.get(id(t))
+            if record is None:
+                record = records[id(t)] = SubclassRecord.of(t, collect)
+            return record
         ptr = t.data_ptr()
         same_start = at_address.get(ptr) if ptr else None  # empty tensors share data_ptr 0: never merge them
         if same_start is not None:
@@ -76,6 +84,24 @@ def collect_tensors(trees: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]
         return Slot(len(tensors) - 1)
 
     return [copy_tree(tree, collect) for tree in trees], tensors
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def subclass_extra(files: Sequence[FileContent], skeletons: Sequence[Any], tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """``{file: {key path: description}}`` of the tensor subclasses in ``skeletons`` (the manifest's
+    ``extra["subclasses"]``); empty when there are none."""
+    def inner_layout(slot: Any) -> tuple[str, list[int]]:
+        t = tensors[slot.index]
+        return str(t.dtype).removeprefix("torch."), list(t.shape)
+
+    out = {}
+    for f, skeleton in zip(files, skeletons):
+        described = describe_records(skeleton, inner_layout)
+        if described:
+            out[f.rel_path] = described
+    return out
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -168,7 +194,10 @@ def stage_save(
 
     Nothing is pickled here: the committer thread plans the files (``planning.py``).
     """
-    skeletons, tensors = collect_tensors([f.tree for f in files])
+    records: dict[int, SubclassRecord] = {}
+    skeletons, tensors = collect_tensors([f.tree for f in files], records)
+    if records:  # the manifest lists them: a restore refuses a class it does not accept before unpickling
+        extra = {**extra, "subclasses": subclass_extra(files, skeletons, tensors)}
     order, n_buffers = buffers_first(entries, tensors)
     staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
     staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
