@@ -299,7 +299,14 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
                 "tensor (to_dense()) before saving, or register its index and value tensors")
     if t.layout is not _STRIDED:
         return f"has layout {t.layout}; convert it to a dense tensor (to_dense()) before saving"
-    if type(t) not in _PLAIN_TENSORS and not _is_dtensor(t):
+    if _is_dtensor(t):
+        local = t.to_local()
+        if type(local) not in _PLAIN_TENSORS:
+            return (f"is a DTensor whose local tensor is a {subclasses.qualname(type(local))}; sharded checkpoints "
+                    "of tensor subclasses are not supported: save with mode='full' (the gathered state dict "
+                    "stores the subclass bit-exactly), or register plain tensors")
+        return None
+    if type(t) not in _PLAIN_TENSORS:
         return subclasses.save_problem(t, _tensor_problem)  # stored through its inner tensors, or refused
     return None
 
