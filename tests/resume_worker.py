@@ -1,10 +1,11 @@
 """Deterministic training run for the bit-exact resume tests (``tests/test_manager_resume.py``).
 
-Run as a script in a fresh process, one per phase:
+Runs in a fresh process, one per phase: as a script, or as a child of the test session's forkserver
+(:func:`forked_main`: torch and checkpointd already imported, no training state):
 
     reference  train steps 1..N without any checkpointing (one run per optimizer given)
     interrupt  train steps 1..K, saving every ``--every`` steps; then either close() normally or
-               wait() and ``os._exit(0)`` without close (a kill after the last commit)
+               wait() and ``os._exit(KILLED_EXIT_CODE)`` without close (a kill after the last commit)
     resume     build everything afresh, ``restore_latest()``, continue to N (saving as before)
 
 Each phase that finishes writes ``<out>/<optimizer>.pt``: parameters, buffers, optimizer, scheduler and
@@ -18,6 +19,7 @@ so a checkpoint that does not restore RNG state resumes into different data and 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -33,6 +35,9 @@ if str(_SRC) not in sys.path:
 from checkpointd import CheckpointManager  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adam", "adamw_fused", "adamw_foreach")
+KILLED_EXIT_CODE = 86
+"""The exit status of an interrupted run that ended with ``os._exit`` (no close, no interpreter shutdown):
+the parent tells it from a run that returned normally."""
 
 
 class Net(torch.nn.Module):
@@ -118,7 +123,7 @@ def dump(path: Path, model, opt, sched, scaler, losses: list[float]) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=("reference", "interrupt", "resume"))
     ap.add_argument("--opt", nargs="+", default=list(OPTIMIZERS))
@@ -130,7 +135,7 @@ def main() -> None:
     ap.add_argument("--compression", default="zstd")
     ap.add_argument("--exit", choices=("close", "kill"), default="close")
     ap.add_argument("--expect-restored", type=int)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -156,7 +161,7 @@ def main() -> None:
             mgr.maybe_save(step, metrics={"loss": losses[-1]})
         if args.exit == "kill":
             mgr.wait()
-            os._exit(0)  # no close(), no interpreter shutdown: like a SIGKILL after the last commit
+            os._exit(KILLED_EXIT_CODE)  # no close(), no interpreter shutdown: like a SIGKILL after the last commit
         mgr.close()
         return
 
@@ -169,6 +174,25 @@ def main() -> None:
         mgr.maybe_save(step)
     mgr.close()
     dump(out / f"{name}.pt", model, opt, sched, scaler, losses)
+
+
+def forked_main(argv: list[str], log_path: str) -> None:
+    """:func:`main` in a child of a ``multiprocessing`` forkserver, its stdout and stderr (tracebacks
+    included) going to ``log_path``.
+
+    The forkserver imported torch and checkpointd and nothing else: the child is a fresh process with
+    no model, optimizer, manager or RNG state of any run. Its inherited heap is frozen first (as the
+    torture's children do), so the manager's full collection at construction scans only what the run
+    makes.
+    """
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until the process exits
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    gc.freeze()
+    main(argv)
 
 
 if __name__ == "__main__":

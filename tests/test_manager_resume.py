@@ -6,22 +6,24 @@ checkpointing, an interrupted run that trains K < N steps with saves and then ex
 continues to N. The resumed run's final state must be ``torch.equal`` to the reference's, down to the
 optimizer state's channels_last strides and the next draw of every RNG.
 
-The processes are started in waves (all reference runs in one process, then all interrupted runs in
-parallel, then all resumed runs) to keep the wall time low on two cores.
+Every run is a child of the session's forkserver (``dist_harness.FORKSERVER_PRELOAD``: torch and
+checkpointd imported once, no run's state), not a new interpreter that would spend seconds importing
+torch. The children are started in waves (the reference run and all interrupted runs in parallel,
+then all resumed runs) to keep the wall time low on two cores; the parent enforces the deadline.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from tree_compare import assert_tree_equal
 
-WORKER = Path(__file__).with_name("resume_worker.py")
+import dist_harness
+import resume_worker
+
 STEPS, STOP_AFTER, EVERY = 8, 5, 2
 LAST_SAVED = STOP_AFTER - STOP_AFTER % EVERY  # the newest step the interrupted run committed
 
@@ -40,42 +42,60 @@ def _vid(v: tuple[str, str, str]) -> str:
     return "-".join(v)
 
 
-def _run_all(cmds: list[list[str]], timeout: float = 120) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for c in cmds]
+def _run_all(runs: list[tuple[list[str], int]], logs: Path, timeout: float = 120) -> None:
+    """Run ``resume_worker.main(argv)`` for every ``(argv, expected exit code)`` in parallel, each in a
+    forkserver child; fail with the logs of the runs that exited otherwise or outlived ``timeout``."""
+    ctx = dist_harness.forkserver_context()
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, (argv, _) in enumerate(runs):
+        log = logs / f"{i}-{argv[0]}.log"
+        proc = ctx.Process(target=resume_worker.forked_main, args=(argv, str(log)), daemon=True)
+        proc.start()
+        procs.append((proc, log))
+    end = time.monotonic() + timeout
+    for proc, _ in procs:
+        proc.join(max(0.0, end - time.monotonic()))
     failures = []
-    for cmd, p in zip(cmds, procs):
-        out, _ = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            failures.append(f"{' '.join(cmd[2:])} exited {p.returncode}:\n{out.decode(errors='replace')[-3000:]}")
+    for (argv, want), (proc, log) in zip(runs, procs):
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+            why = f"still running after {timeout:.0f} s (killed)"
+        elif proc.exitcode != want:
+            why = f"exited {proc.exitcode}, expected {want}"
+        else:
+            continue
+        out = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        failures.append(f"{' '.join(argv)}: {why}:\n{out}")
     assert not failures, "\n\n".join(failures)
 
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("resume")
-    py = sys.executable
     ref_out = base / "reference"
     opts = sorted({v[0] for v in VARIANTS})
     common = ["--steps", str(STEPS), "--stop-after", str(STOP_AFTER), "--every", str(EVERY)]
-    reference = [py, str(WORKER), "reference", "--opt", *opts, "--out", str(ref_out), *common]
+    reference = (["reference", "--opt", *opts, "--out", str(ref_out), *common], 0)
     interrupts, resumes, outs = [], [], {}
     for v in VARIANTS:
         opt, comp, how = v
         root = base / _vid(v) / "ckpt"
         out = base / _vid(v) / "out"
-        interrupts.append([py, str(WORKER), "interrupt", "--opt", opt, "--root", str(root), "--out", str(out),
-                           "--compression", comp, "--exit", how, *common])
-        resumes.append([py, str(WORKER), "resume", "--opt", opt, "--root", str(root), "--out", str(out),
-                        "--compression", comp, "--expect-restored", str(LAST_SAVED), *common])
+        interrupts.append((["interrupt", "--opt", opt, "--root", str(root), "--out", str(out),
+                            "--compression", comp, "--exit", how, *common],
+                           resume_worker.KILLED_EXIT_CODE if how == "kill" else 0))
+        resumes.append((["resume", "--opt", opt, "--root", str(root), "--out", str(out),
+                         "--compression", comp, "--expect-restored", str(LAST_SAVED), *common], 0))
         outs[_vid(v)] = out / f"{opt}.pt"
-    _run_all([reference, *interrupts])
+    _run_all([reference, *interrupts], base / "logs")
     for v in VARIANTS:  # the interrupted runs left exactly what they committed
         root = base / _vid(v) / "ckpt"
         # (a killed run also leaves its lease on the root: the restarted job takes it over at once)
         names = sorted(p.name for p in root.iterdir() if not p.name.startswith(".checkpointd-lease"))
         assert names == [f"step-{s:09d}" for s in (2, 4)], _vid(v)
-    _run_all(resumes)
+    _run_all(resumes, base / "logs")
     outs["reference"] = ref_out
     return outs
 
