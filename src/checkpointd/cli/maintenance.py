@@ -78,7 +78,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise Usage(f"OUT_DIR {out.display()} is a file")
     total = stored_bytes(commit.read_committed_manifest(store, ""))
     with Progress(total, "export") as bar:
-        files = export_step(store, "", out, format=args.export_format, overwrite=args.overwrite, on_bytes=bar.update)
+        files = export_step(store, "", out, format=args.export_format, overwrite=args.overwrite, on_bytes=bar.update,
+                            dequantize=args.dequantize)
     for f in files:
         left_out = f"  (left out, not tensors: {', '.join(f.skipped)})" if f.skipped else ""
         print(f"{f.target}  {fmt_bytes(f.native_bytes)}{left_out}")

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native (default), dcp or safetensors")
     p.add_argument("--overwrite", action="store_true",
                    help="replace files that already exist in OUT_DIR (dcp: its DCP files are removed first)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="dcp, safetensors: write tensor subclasses (quantized tensors) as plain dequantized "
+                        "tensors, NOT bit-exact (a step holding them is refused without it)")
     p.set_defaults(run=cmd_export)
 
     p = subcommand(sub, "gc", parents=[common, as_json], help="remove uncommitted leftovers",

@@ -40,7 +40,7 @@ from typing import Any
 from checkpointd import commit
 from checkpointd.errors import ConfigError
 from checkpointd.export.result import ExportedFile
-from checkpointd.export.values import step_values
+from checkpointd.export.values import plain_values, step_values
 from checkpointd.format.dcp import DATA_SUFFIX, METADATA_NAME
 from checkpointd.storage.store import Store
 
@@ -55,12 +55,14 @@ def is_dcp_file(name: str) -> bool:
 
 
 def export_dcp(store: Store, step_dir: str, out: Store, *, overwrite: bool = False,
-               on_bytes: Callable[[int], None] | None = None) -> list[ExportedFile]:
+               on_bytes: Callable[[int], None] | None = None, dequantize: bool = False) -> list[ExportedFile]:
     """Write the committed step ``step_dir`` of ``store`` as a DCP checkpoint directory ``out``.
 
     Args:
         overwrite: allow a non-empty ``out``; its DCP files are removed before anything is written.
         on_bytes: called with each checkpoint file's stored size once it is read (progress).
+        dequantize: write tensor subclasses (quantized tensors) as plain dequantized tensors, not
+            bit-exact (:func:`~checkpointd.export.values.plain_values`); without it such a step is refused.
 
     Returns:
         The files written, ``.metadata`` last.
@@ -76,7 +78,7 @@ def export_dcp(store: Store, step_dir: str, out: Store, *, overwrite: bool = Fal
     if present and not overwrite:
         raise ConfigError(f"OUT_DIR {out.display()} is not empty ({len(present)} entries, e.g. {sorted(present)[0]!r}); "
                           "pass --overwrite (overwrite=True) or choose an empty OUT_DIR")
-    values = step_values(store, step_dir, manifest, on_bytes=on_bytes)
+    values = plain_values(step_values(store, step_dir, manifest, on_bytes=on_bytes), manifest, "dcp", dequantize)
     for name in sorted(n for n in present if is_dcp_file(n)):
         out.remove(name)
     if out.is_local:

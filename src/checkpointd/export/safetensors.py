@@ -35,7 +35,7 @@ import torch
 from checkpointd import commit
 from checkpointd.errors import ConfigError, CorruptCheckpointError
 from checkpointd.export.result import ExportedFile
-from checkpointd.export.values import step_values
+from checkpointd.export.values import plain_values, step_values
 from checkpointd.format import layout
 from checkpointd.storage.store import Store
 
@@ -99,11 +99,14 @@ def weights_of(entry: str, state_dict: Any) -> tuple[dict[str, torch.Tensor], li
 
 
 def export_safetensors(store: Store, step_dir: str, out: Store, *, overwrite: bool = False,
-                       on_bytes: Callable[[int], None] | None = None) -> list[ExportedFile]:
+                       on_bytes: Callable[[int], None] | None = None, dequantize: bool = False) -> list[ExportedFile]:
     """Write each module entry of the committed step ``step_dir`` of ``store`` as ``out/<entry>.safetensors``.
 
+    ``dequantize``: write tensor subclasses (quantized tensors) as plain dequantized tensors, not
+    bit-exact; without it a step holding them is refused.
+
     Raises:
-        ConfigError: the step has no module entry, a target file exists and ``overwrite`` is False, an
+        ConfigError: the step has no module entry, holds tensor subclasses and ``dequantize`` is False, a target file exists and ``overwrite`` is False, an
             entry name gives no usable file name, a tensor has a dtype safetensors cannot store, or the
             safetensors package is not installed.
         IncompleteCheckpointError / ManifestError / CorruptCheckpointError / UnsafeCheckpointError: the
@@ -123,7 +126,8 @@ def export_safetensors(store: Store, step_dir: str, out: Store, *, overwrite: bo
         existing = [f for f in files.values() if out.exists(f)]
         if existing:
             raise ConfigError(f"{out.display(existing[0])} already exists; pass --overwrite or choose an empty OUT_DIR")
-    values = step_values(store, step_dir, manifest, modules, on_bytes=on_bytes)
+    values = plain_values(step_values(store, step_dir, manifest, modules, on_bytes=on_bytes), manifest,
+                          "safetensors", dequantize)
     results: list[ExportedFile] = []
     written: list[str] = []
     try:

@@ -9,17 +9,22 @@ and parsed with the weights-only unpickler.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from checkpointd.errors import ConfigError
 from checkpointd.format import layout
+from checkpointd.format.dequantize import dequantize_tree
 from checkpointd.format.manifest import FileEntry, Manifest
 from checkpointd.restore.assemble import assemble_full_values
 from checkpointd.restore.step import (decode, fast_read_applies, load_native, malformed_is_damage, read_local_fast,
                                       read_step, read_verified, values_by_entry)
 from checkpointd.storage.store import Store
 
-__all__ = ["step_values"]
+__all__ = ["plain_values", "step_values"]
+
+logger = logging.getLogger("checkpointd")
 
 
 def step_values(store: Store, step_dir: str, manifest: Manifest, names: Iterable[str] | None = None,
@@ -58,3 +63,28 @@ def _read_file(store: Store, step_dir: str, entry: FileEntry) -> Any:
         return read_local_fast(store, step_dir, entry)
     where = store.display(layout.join(step_dir, entry.path))
     return load_native(decode(entry.codec, read_verified(store, step_dir, entry), where), entry.format, where)
+
+
+def plain_values(values: dict[str, Any], manifest: Manifest, fmt: str, dequantize: bool) -> dict[str, Any]:
+    """``values`` ready for a format that holds plain tensors only (DCP, safetensors).
+
+    A step holding tensor subclasses (torchao's quantized tensors; the manifest lists them) is refused
+    unless ``dequantize`` is set; then each becomes the plain tensor its class computes
+    (:func:`checkpointd.format.dequantize.dequantize_tree`), not bit-exact, and a warning names them.
+
+    Raises:
+        ConfigError: subclasses and ``dequantize`` False, or a class that cannot be dequantized.
+    """
+    listed = [f"{rel} {key}" for rel, keys in manifest.extra.get("subclasses", {}).items() for key in keys]
+    if not listed:
+        return values
+    if not dequantize:
+        raise ConfigError(f"step {manifest.step} holds {len(listed)} tensor subclass value(s) (quantized tensors, e.g. "
+                          f"{sorted(listed)[:3]}), which --format {fmt} cannot hold: pass --dequantize "
+                          "(dequantize=True) for plain, NOT bit-exact tensors, or export --format native (exact)")
+    done: dict[str, str] = {}
+    out = dequantize_tree(values, (), done)
+    logger.warning("checkpointd: export --format %s --dequantize wrote %d tensor subclass value(s) as plain "
+                   "dequantized tensors, which are not bit-exact copies of the saved values: %s",
+                   fmt, len(done), sorted(done)[:5])
+    return out
