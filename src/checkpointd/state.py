@@ -300,7 +300,8 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.layout is not _STRIDED:
         return f"has layout {t.layout}; convert it to a dense tensor (to_dense()) before saving"
     if _is_dtensor(t):
-        local = t.to_local()
+        local = getattr(t, "_local_tensor", None)  # the attribute: to_local() is an autograd op, ~6 us a tensor
+        local = t.to_local() if local is None else local
         if type(local) not in _PLAIN_TENSORS:
             return (f"is a DTensor whose local tensor is a {subclasses.qualname(type(local))}; sharded checkpoints "
                     "of tensor subclasses are not supported: save with mode='full' (the gathered state dict "
