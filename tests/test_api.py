@@ -27,6 +27,7 @@ def test_public_names_are_pinned():
         "load",
         "allow_tensor_subclasses",
         "register_dequantizer",
+        "register_inner_sharding",
         "DistributedOptions",
         "IOOptions",
         "StagingOptions",

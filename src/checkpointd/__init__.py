@@ -35,6 +35,7 @@ from checkpointd.errors import (  # noqa: E402
     UnsafeCheckpointError,
 )
 from checkpointd.format.dequantize import register_dequantizer  # noqa: E402
+from checkpointd.format.subclass_sharding import register_inner_sharding  # noqa: E402
 from checkpointd.format.subclasses import allow_tensor_subclasses  # noqa: E402
 from checkpointd.load import load  # noqa: E402
 from checkpointd.manager import CheckpointManager  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "load",
     "allow_tensor_subclasses",
     "register_dequantizer",
+    "register_inner_sharding",
     "DistributedOptions",
     "IOOptions",
     "StagingOptions",

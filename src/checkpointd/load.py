@@ -17,7 +17,7 @@ from typing import Any
 from checkpointd import commit
 from checkpointd.format import dcp, layout
 from checkpointd.format.dequantize import dequantize_tree
-from checkpointd.format.subclasses import check_described, check_loaded
+from checkpointd.format.subclasses import check_described, check_loaded, check_sharded_described
 from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from checkpointd.restore.assemble import assemble_full_values
 from checkpointd.restore.step import decode, load_native, malformed_is_damage, read_step, values_by_entry
@@ -54,7 +54,7 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
     them, so integer keys (an optimizer's ``state``) are strings; tensors whole and contiguous.
     """
     store = Store(path, storage_options)
-    values = _load(store, step)
+    values = _load(store, step, dequantize)
     check_loaded(values, store.display())
     if not dequantize:
         return values
@@ -68,7 +68,7 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
     return values
 
 
-def _load(store: Store, step: int | None) -> Any:
+def _load(store: Store, step: int | None, dequantize: bool = False) -> Any:
     if store.is_file(""):
         return _load_single_file(store)
     names = store.list_dir("")
@@ -77,7 +77,7 @@ def _load(store: Store, step: int | None) -> Any:
     if layout.MANIFEST_NAME in names or layout.COMMIT_MARKER_NAME in names:
         if step is not None and layout.parse_step_dir_name(store.root) not in (None, step):
             raise CheckpointNotFoundError(f"{store.display()} is step {layout.parse_step_dir_name(store.root)}, not {step}")
-        return _load_step_dir(store, "")
+        return _load_step_dir(store, "", dequantize)
     if dcp.is_dcp_dir(names):
         _check_dcp_step(store, step)
         return dcp.load_dcp(store)
@@ -86,7 +86,7 @@ def _load(store: Store, step: int | None) -> Any:
         chosen = steps[-1] if step is None else step
         if chosen not in steps:
             raise CheckpointNotFoundError(f"step {step} is not committed under {store.display()} (committed: {steps[-10:]})")
-        return _load_step_dir(store, layout.step_dir_name(chosen))
+        return _load_step_dir(store, layout.step_dir_name(chosen), dequantize)
     if any(layout.parse_step_dir_name(n) is not None for n in names):
         raise IncompleteCheckpointError(f"{store.display()} holds step directories but none is committed")
     dcp_steps = sorted(int(m.group("step")) for m in map(_DCP_STEP_RE.match, names) if m)
@@ -95,13 +95,14 @@ def _load(store: Store, step: int | None) -> Any:
     return _load_physicsnemo_dir(store, names, step)
 
 
-def _load_step_dir(store: Store, step_dir: str) -> dict[str, Any]:
+def _load_step_dir(store: Store, step_dir: str, dequantize: bool = False) -> dict[str, Any]:
     manifest = commit.read_committed_manifest(store, step_dir)
     check_described(manifest.extra.get("subclasses"), store.display(step_dir))  # before any pickle runs
+    check_sharded_described(manifest.extra.get("sharded"), store.display(step_dir))
     with malformed_is_damage(store.display(step_dir)):
         contents = read_step(store, step_dir, manifest, rank=None if manifest.mode == "sharded" else 0)
         if manifest.mode == "sharded":  # sharded checkpoints: merge the shards
-            return assemble_full_values(manifest, contents)
+            return assemble_full_values(manifest, contents, dequantize)
         return values_by_entry(manifest, contents)
 
 

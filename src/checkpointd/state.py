@@ -302,10 +302,12 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if _is_dtensor(t):
         local = getattr(t, "_local_tensor", None)  # the attribute: to_local() is an autograd op, ~6 us a tensor
         local = t.to_local() if local is None else local
-        if type(local) not in _PLAIN_TENSORS:
-            return (f"is a DTensor whose local tensor is a {subclasses.qualname(type(local))}; sharded checkpoints "
-                    "of tensor subclasses are not supported: save with mode='full' (the gathered state dict "
-                    "stores the subclass bit-exactly), or register plain tensors")
+        if type(local) not in _PLAIN_TENSORS:  # FSDP2 over torchao's NF4 or float8 all-gather weights
+            problem = subclasses.save_problem(local, _tensor_problem)
+            if problem is None and any(type(getattr(local, n)) not in _PLAIN_TENSORS for n in local.__tensor_flatten__()[0]):
+                problem = (f"is a tensor subclass {subclasses.qualname(type(local))} whose inner tensors are tensor "
+                           "subclasses, which sharded checkpoints cannot split; save with mode='full'")
+            return None if problem is None else f"is a DTensor whose local tensor {problem}"
         return None
     if type(t) not in _PLAIN_TENSORS:
         return subclasses.save_problem(t, _tensor_problem)  # stored through its inner tensors, or refused

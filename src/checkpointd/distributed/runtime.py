@@ -45,6 +45,7 @@ from checkpointd.save.job import SaveJob
 from checkpointd.restore.assemble import shard_file_name, sharded_values
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
 from checkpointd.format.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
+from checkpointd.format.subclasses import check_described, check_sharded_described
 from checkpointd.distributed.state_dicts import (check_optimizer, gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer,
                           module_state, optimizer_state, owner_module, plan_module, plan_optimizer)
 from checkpointd.distributed.statecache import LocalStates
@@ -309,6 +310,8 @@ class DistributedRuntime:
         manifest: Manifest | None = None
         try:
             manifest = commit.read_committed_manifest(store, step_dir)
+            check_described(manifest.extra.get("subclasses"), f"step {manifest.step}")  # before any pickle runs
+            check_sharded_described(manifest.extra.get("sharded"), f"step {manifest.step}")
             values, rng = self._read(store, step_dir, manifest, sel)
         except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
             error = exc

@@ -25,7 +25,7 @@ import torch
 from checkpointd.errors import StateMismatchError
 from checkpointd.restore.per_entry import KeySubset
 from checkpointd.state import unwrap_module
-from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
+from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, plan_copy, stored_shape
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module")
 
@@ -113,9 +113,10 @@ def load_module(model: torch.nn.Module, stored: dict[str, Any], where: str) -> N
     extra = sorted(set(stored) - set(live))
     if missing or extra:
         raise StateMismatchError(f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys {extra[:5]}")
-    for k, t in live.items():
-        if isinstance(t, torch.Tensor) and k in stored:
-            copy_into(t, stored[k], f"{where} key {k!r}")
+    # every key checked first (a tensor subclass that cannot be resharded is refused before any key is copied)
+    copies = [plan_copy(t, stored[k], f"{where} key {k!r}") for k, t in live.items() if isinstance(t, torch.Tensor) and k in stored]
+    for copy in copies:
+        copy()
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, stored: Any, where: str) -> None:

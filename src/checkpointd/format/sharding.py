@@ -13,6 +13,12 @@ that hold them). A live DTensor asks for exactly its local region
 all reduce to the same block intersection. Copies go *into* the live local tensors, which keeps their
 strides (channels_last) and device.
 
+A local tensor that is a tensor subclass (FSDP2 over torchao's NF4 or float8 all-gather weights) is
+stored as that subclass, through its inner tensors; its record adds ``"subclass"`` (class, inner
+tensor dtypes) and each block its ``"inner_shapes"`` and a description of its flatten ``"ctx"``.
+Restoring it (:mod:`checkpointd.restore.sharded_subclasses`) needs the same blocks, or the class's
+inner-sharding rule (:mod:`checkpointd.format.subclass_sharding`).
+
 Limits: ``Partial`` placements and FSDP2+TP strided shards (``_StridedShard``) are refused with a
 StateError at save time.
 """
@@ -26,6 +32,7 @@ from typing import Any, Callable, Iterator, cast
 import torch
 
 from checkpointd.errors import CorruptCheckpointError, StateError, StateMismatchError
+from checkpointd.format.subclasses import is_stored_subclass, local_description
 
 PathKey = str
 """JSON list of the keys leading to a leaf inside one entry's tree, e.g. ``["state", "0.weight", "exp_avg"]``."""
@@ -117,7 +124,8 @@ def split_tree(tree: Any, rank: int, cache: dict[tuple[Any, ...], "_SplitLeaf"] 
 
     def leaf(path: tuple[Any, ...], x: Any) -> Any:
         if is_dtensor(x):
-            local = x.to_local()
+            held = getattr(x, "_local_tensor", None)  # a subclass: the object itself (to_local() may give a view)
+            local = held if type(held) not in _PLAIN and is_stored_subclass(held) else x.to_local()
             hit = cache.get(path) if cache is not None else None
             if hit is None or not hit.matches(x, local):
                 hit = _SplitLeaf(path, x, local, rank)
@@ -142,11 +150,11 @@ def split_tree(tree: Any, rank: int, cache: dict[tuple[Any, ...], "_SplitLeaf"] 
 class _SplitLeaf:
     """One DTensor leaf's path key and record, with what must stay the same for them to be reused."""
 
-    __slots__ = ("dt", "spec", "layout", "key", "record", "owned")
+    __slots__ = ("dt", "spec", "layout", "key", "record", "owned", "ctx")
 
     def __init__(self, path: tuple[Any, ...], x: Any, local: torch.Tensor, rank: int) -> None:
         self.dt, self.spec = x, getattr(x, "_spec", None)
-        self.layout = _layout(local)
+        self.layout, self.ctx = _layout(local), _ctx(local)
         self.key = path_key(path)
         offsets, shape = local_region(x)
         mesh = x.device_mesh
@@ -162,14 +170,40 @@ class _SplitLeaf:
         self.owned = owns_block(x) and math.prod(shape) > 0
         if self.owned:
             self.record["block"] = {"rank": rank, "offsets": list(offsets), "shape": list(shape)}
+        if type(local) not in _PLAIN and is_stored_subclass(local):
+            if tuple(local.shape) != tuple(shape):
+                raise StateError(f"a DTensor at {self.key} has a padded {type(local).__name__} local tensor "
+                                 f"({tuple(local.shape)} for a block of {tuple(shape)}), which checkpointd cannot store")
+            part, block_part = local_description(local)
+            self.record["subclass"] = part
+            if self.owned:
+                self.record["block"].update(block_part)
 
     def matches(self, x: Any, local: torch.Tensor) -> bool:
         return (x is self.dt and self.spec is not None and getattr(x, "_spec", None) is self.spec
-                and _layout(local) == self.layout)
+                and _layout(local) == self.layout and (self.ctx is None or _same(_ctx(local), self.ctx)))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    if type(t) not in _PLAIN and is_stored_subclass(t):  # no storage of its own: its inner tensors' layouts
+        names, _ = t.__tensor_flatten__()
+        return (type(t), tuple(t.shape), t.dtype, tuple((n, _layout(getattr(t, n))) for n in names))
     return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _ctx(t: torch.Tensor) -> Any:
+    """A subclass's flatten context (the record describes it; a change makes a new record); None for plain tensors."""
+    return t.__tensor_flatten__()[1] if type(t) not in _PLAIN and is_stored_subclass(t) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a context whose parts do not compare: never reuse the record
+        return False
 
 
 def merge_records(per_rank: list[dict[str, dict[PathKey, dict[str, Any]]]]) -> dict[str, dict[PathKey, dict[str, Any]]]:
@@ -225,6 +259,13 @@ class ShardedLeaf:
             )
         return found
 
+    def block_value(self, block: dict[str, Any]) -> Any:
+        """The stored value of one of :attr:`record`'s blocks, read from its rank's file."""
+        src = self._read_blocks(block["rank"]).get(self.key)
+        if src is None:
+            raise CorruptCheckpointError(f"entry {self.name!r} tensor {self.key}: rank {block['rank']}'s file lacks its block")
+        return src
+
     def region(self, offsets: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
         """The values of ``[offsets, offsets + shape)`` of the global tensor (copied into ``out`` if given).
 
@@ -235,14 +276,21 @@ class ShardedLeaf:
         for block in self.blocks_for(offsets, shape):
             lo = [max(o, b) for o, b in zip(offsets, block["offsets"])]
             hi = [min(o + s, b + bs) for o, s, b, bs in zip(offsets, shape, block["offsets"], block["shape"])]
-            src = self._read_blocks(block["rank"]).get(self.key)
-            if src is None:
-                raise CorruptCheckpointError(f"entry {self.name!r} tensor {self.key}: rank {block['rank']}'s file lacks its block")
+            src = self.block_value(block)
             src_sl = tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, block["offsets"]))
             dst_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
             with torch.no_grad():
                 out[dst_sl].copy_(src[src_sl])
         return out
+
+    def plan_to(self, target: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], where: str) -> Callable[[], None]:
+        """A function copying the region ``[offsets, offsets + shape)`` into ``target`` (a live local tensor) in place."""
+        def copy() -> None:
+            src = self.region(offsets, shape)
+            with torch.no_grad():
+                target.copy_(src)
+
+        return copy
 
     def target_region(self, live: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The region :func:`copy_into` asks of this leaf for ``live``: a DTensor's local block, else the whole tensor."""
@@ -276,6 +324,12 @@ def copy_into(live: torch.Tensor, stored: Any, where: str) -> None:
     A DTensor receives exactly its local block; a plain tensor the whole value. Dtype and device
     follow the live tensor, strides too (the copy goes into its existing storage).
     """
+    plan_copy(live, stored, where)()
+
+
+def plan_copy(live: torch.Tensor, stored: Any, where: str) -> Callable[[], None]:
+    """:func:`copy_into` in two steps: checks now (a mismatch raises before anything is copied), the copy
+    when the returned function is called. A tensor subclass's stored blocks are read and checked now."""
     shape = stored_shape(stored)
     if shape is None:
         raise StateMismatchError(f"{where}: the checkpoint holds a {type(stored).__name__}, the live state a tensor")
@@ -284,15 +338,24 @@ def copy_into(live: torch.Tensor, stored: Any, where: str) -> None:
     if is_dtensor(live):
         offsets, lshape = local_region(live)
         target: torch.Tensor = cast(Any, live).to_local()  # a DTensor, checked by is_dtensor
+        held = getattr(live, "_local_tensor", None)
+        if type(held) not in _PLAIN and is_stored_subclass(held):
+            target = held  # the live object itself, whose inner tensors take the stored ones in place
         if tuple(target.shape) != lshape:  # padded local tensors: copy into the logical block only
+            if type(target) not in _PLAIN and is_stored_subclass(target):
+                raise StateMismatchError(f"{where}: the live {type(target).__name__} local tensor is padded "
+                                         f"({tuple(target.shape)} for a block of {lshape}); checkpointd cannot restore into it")
             target = target[tuple(slice(0, s) for s in lshape)]
     else:
         offsets, lshape, target = tuple(0 for _ in shape), shape, live
     if math.prod(lshape) == 0:
-        return
+        return lambda: None
     if isinstance(stored, ShardedLeaf):
-        src = stored.region(offsets, lshape)
-    else:
-        src = stored[tuple(slice(o, o + s) for o, s in zip(offsets, lshape))] if lshape else stored
-    with torch.no_grad():
-        target.copy_(src)
+        return stored.plan_to(target, offsets, lshape, where)
+    src = stored[tuple(slice(o, o + s) for o, s in zip(offsets, lshape))] if lshape else stored
+
+    def copy() -> None:
+        with torch.no_grad():
+            target.copy_(src)
+
+    return copy

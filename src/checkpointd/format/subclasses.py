@@ -290,6 +290,82 @@ def _subclasses_in(obj: Any, path: tuple[str, ...]) -> Iterable[tuple[tuple[str,
             yield from _subclasses_in(v, path + (str(i),))
 
 
+# -- sharded mode: a DTensor's local subclass ---------------------------------------------------------
+
+def local_description(t: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(class part, block part)`` of the records of a DTensor whose local tensor is the subclass ``t``.
+
+    The class part (``{"class", "form", "inner": {name: {"dtype"}}}``) is the same on every rank; the
+    block part (``{"inner_shapes": {name: shape}, "ctx": description}``) is this rank's: a shard's
+    flatten context can be its own (NF4 records the local shape). ``ctx`` is a JSON description for
+    inspection and planning, not what a restore rebuilds from (the stored object carries its context).
+
+    Raises:
+        ValueError: an inner tensor that is itself a subclass (nested subclasses are not sharded).
+    """
+    names, ctx = t.__tensor_flatten__()
+    inner: dict[str, Any] = {}
+    shapes: dict[str, list[int]] = {}
+    for n in names:
+        v = getattr(t, n)
+        if type(v) not in _PLAIN and is_stored_subclass(v):
+            raise ValueError(f"its inner tensor {n!r} is itself a tensor subclass ({qualname(type(v))})")
+        inner[n] = {"dtype": str(v.dtype).removeprefix("torch.")}
+        shapes[n] = list(v.shape)
+    return ({"class": qualname(type(t)), "form": "torch", "inner": inner},
+            {"inner_shapes": shapes, "ctx": describe_ctx(ctx)})
+
+
+def describe_ctx(ctx: Any, depth: int = 0) -> Any:
+    """A JSON description of a flatten context: atoms as they are, dtypes, devices and enums by name,
+    dataclasses and named tuples as ``{"type": qualified name, "fields": {...}}``, anything else by type."""
+    if depth > 20:
+        return "..."
+    if ctx is None or isinstance(ctx, (bool, int, float, str)) and not isinstance(ctx, enum.Enum):
+        return ctx
+    if isinstance(ctx, (torch.dtype, torch.device, torch.layout)):
+        return str(ctx)
+    if isinstance(ctx, torch.Size):
+        return list(ctx)
+    if isinstance(ctx, enum.Enum):
+        return f"{qualname(type(ctx))}.{ctx.name}"
+    if isinstance(ctx, dict):
+        return {str(k): describe_ctx(v, depth + 1) for k, v in ctx.items()}
+    if isinstance(ctx, tuple) and hasattr(ctx, "_fields"):
+        return {"type": qualname(type(ctx)), "fields": {f: describe_ctx(getattr(ctx, f), depth + 1) for f in ctx._fields}}
+    if isinstance(ctx, (list, tuple, set, frozenset)):
+        return [describe_ctx(v, depth + 1) for v in ctx]
+    if dataclasses.is_dataclass(ctx) and not isinstance(ctx, type):
+        return {"type": qualname(type(ctx)),
+                "fields": {f.name: describe_ctx(getattr(ctx, f.name), depth + 1) for f in dataclasses.fields(ctx)}}
+    return {"type": qualname(type(ctx))}
+
+
+def check_sharded_described(sharded: Any, where: str) -> None:
+    """Refuse, from a sharded manifest's tensor records (``extra["sharded"]``) alone, a step holding a
+    DTensor whose local tensor is a class not accepted; run before any of its files is unpickled.
+
+    Raises:
+        UnacceptedSubclassError: a record names a class that is not imported or not accepted.
+        CorruptCheckpointError: a record's subclass part is malformed.
+    """
+    tensors = sharded.get("tensors") if isinstance(sharded, Mapping) else None
+    if not isinstance(tensors, Mapping):
+        return
+    for name, by_path in tensors.items():
+        if not isinstance(by_path, Mapping):
+            continue
+        for path, rec in by_path.items():
+            part = rec.get("subclass") if isinstance(rec, Mapping) else None
+            if part is None:
+                continue
+            cls = part.get("class") if isinstance(part, Mapping) else None
+            if not isinstance(cls, str) or not isinstance(part.get("inner"), Mapping):
+                raise CorruptCheckpointError(f"{where}: the manifest's record of entry {name!r} tensor {path} is malformed")
+            if accepted_class(cls) is None:
+                raise UnacceptedSubclassError(refusal(cls, f"{where} entry {name!r} tensor {path}"))
+
+
 __all__ = ["ALLOWED", "BUILTIN_CLASSES", "SubclassRecord", "accepted_class", "allow_tensor_subclasses",
-           "check_described", "check_loaded", "describe_records", "is_stored_subclass", "qualname", "refusal",
-           "save_problem"]
+           "check_described", "check_loaded", "check_sharded_described", "describe_ctx", "describe_records",
+           "is_stored_subclass", "local_description", "qualname", "refusal", "save_problem"]

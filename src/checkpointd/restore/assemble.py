@@ -11,7 +11,8 @@ Layout of a sharded step (``mode="sharded"``), recorded in ``manifest.extra["sha
                                                          "rank_files": {"0": "shards/rank-00000.pt", ...},
                                                          "tensors": {name: {path: {"global_shape", "dtype",
                                                              "placements", "mesh_shape", "mesh_dim_names",
-                                                             "dim_order", "blocks": [{"rank", "offsets", "shape"}]}}}}
+                                                             "dim_order", "subclass"?, "blocks": [{"rank", "offsets",
+                                                             "shape", "inner_shapes"?, "ctx"?}]}}}}
         COMMITTED
 
 ``path`` is the JSON list of keys leading to the tensor inside the entry's tree (e.g.
@@ -20,11 +21,13 @@ Layout of a sharded step (``mode="sharded"``), recorded in ``manifest.extra["sha
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.manifest import Manifest
-from checkpointd.format.sharding import ShardedLeaf, map_tree, materialize, path_key
+from checkpointd.format.sharding import map_tree, materialize, path_key
+from checkpointd.restore.sharded_subclasses import dequantize_leaves, leaf_for
 
 SHARD_DIR = "shards"
 
@@ -67,16 +70,28 @@ def sharded_values(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str,
 
         def leaf(path: tuple[Any, ...], x: Any, records: dict[str, Any] = records, read: Any = read, name: str = name) -> Any:
             rec = records.get(path_key(path))
-            return ShardedLeaf(name, path_key(path), rec, read) if rec is not None else x
+            return leaf_for(name, path_key(path), rec, read) if rec is not None else x
 
         out[name] = map_tree(root["entries"][name], leaf)
     return out
 
 
-def assemble_full_values(manifest: Manifest, contents: Mapping[str, Any]) -> dict[str, Any]:
+def assemble_full_values(manifest: Manifest, contents: Mapping[str, Any], dequantize: bool = False) -> dict[str, Any]:
     """``{state name: value}`` of a sharded checkpoint with every tensor whole (for ``checkpointd.load``).
 
     Model entries are FQN-keyed state dicts; optimizer entries are FQN-keyed (as PhysicsNeMo writes them
-    under FSDP) when their module was registered beside them.
+    under FSDP) when their module was registered beside them. A DTensor whose blocks are tensor
+    subclasses comes back as the global subclass (:mod:`checkpointd.restore.sharded_subclasses`), or,
+    with ``dequantize``, as the plain tensor its blocks dequantize to (not bit-exact; warned).
     """
-    return {name: materialize(tree) for name, tree in sharded_values(manifest, contents).items()}
+    values = sharded_values(manifest, contents)
+    done: dict[str, str] = {}
+    if dequantize:
+        dequantize_leaves(values, done)
+    out = {name: materialize(tree) for name, tree in values.items()}
+    if done:
+        keys = ", ".join(f"{k!r} ({c.rpartition('.')[2]})" for k, c in list(done.items())[:8])
+        warnings.warn(f"checkpointd: step {manifest.step}'s sharded tensor subclass value(s) were assembled as plain "
+                      f"dequantized tensors, which are not bit-exact copies of the saved values: {keys}"
+                      + (" and more" if len(done) > 8 else ""), UserWarning, stacklevel=3)
+    return out

@@ -30,7 +30,7 @@ logger = logging.getLogger("checkpointd")
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-class _Rebuild(Exception):
+class NotInPlace(Exception):
     """The live subclass cannot take the stored inner tensors in place (the reason is the message)."""
 
 
@@ -52,44 +52,44 @@ def subclass_copies(live: torch.Tensor, stored: Any, where: str) -> tuple[list[P
                                  f"saved {tuple(stored.shape)} {stored.dtype}")
     try:
         return inner_pairs(live, stored, where), None
-    except _Rebuild as why:
+    except NotInPlace as why:
         return [], _rebuild(live, stored, where, str(why))
 
 
 def inner_pairs(live: torch.Tensor, stored: torch.Tensor, where: str) -> list[Pair]:
-    """The (live inner, stored inner) pairs, nested subclasses flattened; raises :class:`_Rebuild`."""
+    """The (live inner, stored inner) pairs, nested subclasses flattened; raises :class:`NotInPlace`."""
     names, ctx = live.__tensor_flatten__()
     s_names, s_ctx = stored.__tensor_flatten__()
     if list(names) != list(s_names):
-        raise _Rebuild(f"inner tensors {list(s_names)} saved, {list(names)} live")
-    if _comparable(ctx) != _comparable(s_ctx):
-        raise _Rebuild("its flatten context (quantization config) differs")
+        raise NotInPlace(f"inner tensors {list(s_names)} saved, {list(names)} live")
+    if comparable(ctx) != comparable(s_ctx):
+        raise NotInPlace("its flatten context (quantization config) differs")
     out: list[Pair] = []
     for n in names:
         d, s = getattr(live, n), getattr(stored, n)
         if is_stored_subclass(d) or is_stored_subclass(s):
             if type(d) is not type(s) or tuple(d.shape) != tuple(s.shape) or d.dtype != s.dtype:
-                raise _Rebuild(f"inner {n!r} is a {type(s).__name__} saved, a {type(d).__name__} live")
+                raise NotInPlace(f"inner {n!r} is a {type(s).__name__} saved, a {type(d).__name__} live")
             out += inner_pairs(d, s, f"{where}.{n}")
         elif tuple(d.shape) != tuple(s.shape) or d.dtype != s.dtype:
-            raise _Rebuild(f"inner {n!r}: saved {tuple(s.shape)} {s.dtype}, live {tuple(d.shape)} {d.dtype}")
+            raise NotInPlace(f"inner {n!r}: saved {tuple(s.shape)} {s.dtype}, live {tuple(d.shape)} {d.dtype}")
         else:
             out.append((d.detach(), s))
     return out
 
 
-def _comparable(ctx: Any, depth: int = 0) -> Any:
+def comparable(ctx: Any, depth: int = 0) -> Any:
     """A flatten context with devices left out (NF4 records its device; a restore may change it)."""
     if depth > 20:
         return ctx
     if isinstance(ctx, torch.device):
         return "<device>"
     if isinstance(ctx, dict):
-        return {k: _comparable(v, depth + 1) for k, v in ctx.items()}
+        return {k: comparable(v, depth + 1) for k, v in ctx.items()}
     if isinstance(ctx, (list, tuple)) and not isinstance(ctx, torch.Size):
-        return (type(ctx).__name__, tuple(_comparable(v, depth + 1) for v in ctx))
+        return (type(ctx).__name__, tuple(comparable(v, depth + 1) for v in ctx))
     if dataclasses.is_dataclass(ctx) and not isinstance(ctx, type):
-        return (type(ctx), tuple(_comparable(getattr(ctx, f.name), depth + 1) for f in dataclasses.fields(ctx)))
+        return (type(ctx), tuple(comparable(getattr(ctx, f.name), depth + 1) for f in dataclasses.fields(ctx)))
     return ctx
 
 
@@ -133,4 +133,4 @@ def _rebuild(live: torch.Tensor, stored: torch.Tensor, where: str, why: str) -> 
     return swap
 
 
-__all__ = ["inner_pairs", "on_device", "subclass_copies"]
+__all__ = ["NotInPlace", "comparable", "inner_pairs", "on_device", "subclass_copies"]

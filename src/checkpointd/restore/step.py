@@ -27,7 +27,7 @@ from checkpointd.format import layout
 from checkpointd.format.manifest import FileEntry, Manifest
 from checkpointd.format.mdlus import load_mdlus_state_dict
 from checkpointd.format.sharding import materialize
-from checkpointd.format.subclasses import check_described, check_loaded
+from checkpointd.format.subclasses import check_described, check_loaded, check_sharded_described
 from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.restore import device_image, fastload
 from checkpointd.restore.apply import apply_entries
@@ -218,6 +218,7 @@ def restore_in_place(store: Store, step_dir: str, selection: Selection) -> tuple
     manifest = read_committed_manifest(store, step_dir)
     # a tensor subclass this process has not imported or does not accept: refused before any pickle runs
     check_described(manifest.extra.get("subclasses"), f"step {manifest.step}")
+    check_sharded_described(manifest.extra.get("sharded"), f"step {manifest.step}")
     sharded = manifest.mode == "sharded"  # a distributed save, restored whole into this process
     names = None if selection.read_all else [e.name for e in selection.entries]
     # into CUDA tensors, mapped files of a single-process save may be verified on the GPU (their values
