@@ -354,9 +354,11 @@ def test_perf_doc_writes_one_table_per_benchmark_from_the_kept_results(tmp_path:
     workload, card, commit and command, with checkpointd beside torch.save and async_save."""
     out = tmp_path / "performance.md"
     proc = subprocess.run([sys.executable, str(BENCH / "perf_doc.py"), "--out", str(out),
-                           f"H200={BENCH / 'results' / 'h200'}@abc1234"], capture_output=True, text=True, timeout=60)
+                           f"H200={BENCH / 'results' / 'h200-stall'}@abc1234",
+                           f"H200={BENCH / 'results' / 'h200-restore'}@def5678"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert text.count("\n## ") == 2 and text.count("Commit: `abc1234`") == 2 and "Command: `" in text
+    assert text.count("\n## ") == 2 and "Command: `" in text
+    assert text.count("Commit: `abc1234`") == 1 and text.count("Commit: `def5678`") == 1
     for row in ("`checkpointd`", "`dcp_async`", "`torch_save`", "`checkpointd restore_latest`", "`torch_load + load_state_dict`"):
         assert f"| {row} |" in text, row

@@ -52,11 +52,13 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
     """A checkpoint file whose pickle references code outside the safe allow-list; nothing was run."""
 
 
-class UnacceptedSubclassError(UnsafeCheckpointError):
+class UnacceptedSubclassError(CheckpointError, ValueError):
     """A checkpoint holds a tensor subclass that this process has not imported or does not accept.
 
-    The caller's set-up, not damage: a restore stops here instead of skipping (and setting aside) the
-    step, and the message says what to import or allow.
+    The caller's set-up, not damage: unlike an :class:`UnsafeCheckpointError` (a file whose pickle
+    reaches outside the safe allow-list), it is not in :data:`NOT_VERIFIED`, so a restore stops here
+    instead of skipping (and setting aside) the step, and the message says what to import or allow.
+    Nothing of the class was run.
     """
 
 

@@ -29,8 +29,7 @@ from typing import Any, Iterable
 
 from checkpointd import commit
 from checkpointd.distributed.state_dicts import clean_fqn
-from checkpointd.errors import (NOT_VERIFIED, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError,
-                               UnacceptedSubclassError)
+from checkpointd.errors import NOT_VERIFIED, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from checkpointd.format import layout
 from checkpointd.load import load
 from checkpointd.manager_roots import Damaged, Roots
@@ -89,8 +88,6 @@ class Restorer:
             tried += 1
             try:
                 self.restore_step(step, None, sel)
-            except UnacceptedSubclassError:  # the caller's set-up (an import, an allow-list), not damage
-                raise
             except NOT_VERIFIED as exc:
                 warnings.warn(f"checkpointd: skipping step {step}, it does not verify: {exc}", RuntimeWarning, stacklevel=3)
                 failures.append(f"step {step}: {exc}")
@@ -121,8 +118,6 @@ class Restorer:
             )
         try:
             self.restore_step(step, store, selection)
-        except UnacceptedSubclassError:  # the caller's set-up (an import, an allow-list), not damage
-            raise
         except NOT_VERIFIED as exc:
             if len(roots.steps()) > 1:  # never the last committed step: restarts must keep raising
                 roots.quarantine(store, step, exc)

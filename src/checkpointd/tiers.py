@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.codecs.checksum import ChecksumWriter
-from checkpointd.errors import NOT_VERIFIED, CheckpointTimeoutError, CorruptCheckpointError, UnacceptedSubclassError
+from checkpointd.errors import NOT_VERIFIED, CheckpointTimeoutError, CorruptCheckpointError
 from checkpointd.retention import MetricsCache, apply_retention
 from checkpointd.format.manifest import FileEntry
 from checkpointd.policy import RetentionPolicy
@@ -245,8 +245,6 @@ def restore_latest_two_tier(local: Store, remote: Store, restore_from: Callable[
         for store in copies:
             try:
                 restore_from(step, store)
-            except UnacceptedSubclassError:  # the caller's set-up (an import, an allow-list), not damage
-                raise
             except NOT_VERIFIED as exc:
                 warnings.warn(f"checkpointd: skipping step {step} at {store.display()}, it does not verify: {exc}",
                               RuntimeWarning, stacklevel=4)

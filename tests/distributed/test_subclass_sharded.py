@@ -308,3 +308,17 @@ def test_class_not_accepted_is_refused_before_unpickling(steps: Path, monkeypatc
     assert [b["rank"] for b in sharded["tensors"]["pair"]["[]"]["blocks"]] == [0, 1]
     with pytest.raises(UnacceptedSubclassError, match=r"entry 'pair' tensor \[\] holds a tensor subclass .*PairTensor"):
         subclasses.check_sharded_described(sharded, "step 3")
+
+
+def test_export_of_a_sharded_step_refuses_subclasses_or_dequantizes_them(steps: Path, tmp_path: Path) -> None:
+    """safetensors holds plain tensors: the assembled NF4 is refused, or written dequantized on request."""
+    from safetensors.torch import load_file
+
+    from checkpointd.cli import main
+    from checkpointd.cli.exits import EXIT_OK, EXIT_USAGE
+
+    step_dir = steps / "r4" / "step-000000002"
+    assert main(["export", str(step_dir), str(tmp_path / "refused"), "--format", "safetensors"]) == EXIT_USAGE
+    assert main(["export", str(step_dir), str(tmp_path / "st"), "--format", "safetensors", "--dequantize"]) == EXIT_OK
+    weights = load_file(str(tmp_path / "st" / "qlora.safetensors"))
+    assert torch.equal(weights[NF4], reference_nf4().get_original_weight())

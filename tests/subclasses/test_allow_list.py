@@ -21,7 +21,7 @@ import torch
 from torchao.quantization import Int8Tensor
 
 import checkpointd
-from checkpointd import CheckpointManager, StateError, UnacceptedSubclassError, UnsafeCheckpointError, load
+from checkpointd import CheckpointManager, StateError, UnacceptedSubclassError, load
 from checkpointd.format import subclasses
 from tests.subclasses.pair_tensor import PairTensor, pair_module
 from tests.subclasses.quantized_models import int8_model
@@ -82,12 +82,12 @@ def test_allowed_class_restores_in_place_and_is_refused_once_not_allowed(
     with CheckpointManager(tmp_path, {"model": pair_module(2)}) as mgr:
         with pytest.raises(UnacceptedSubclassError, match=refused):
             mgr.restore_latest()
-        with pytest.raises(UnsafeCheckpointError, match=refused):
+        with pytest.raises(UnacceptedSubclassError, match=refused):
             mgr.restore(1)
         assert mgr.steps() == [1]  # not taken for damage: still committed
-    with pytest.raises(UnsafeCheckpointError, match=rf"key 'pair' holds a tensor subclass {PAIR}"):
+    with pytest.raises(UnacceptedSubclassError, match=rf"key 'pair' holds a tensor subclass {PAIR}"):
         load(tmp_path)
-    with pytest.raises(UnsafeCheckpointError, match=rf"key 'pair' holds a tensor subclass {PAIR}"):
+    with pytest.raises(UnacceptedSubclassError, match=rf"key 'pair' holds a tensor subclass {PAIR}"):
         load(tmp_path / "step-000000001" / "Linear.0.1.pt")  # no manifest: refused by class after torch's loader
     assert len(calls) == 1  # only that single file was unpickled; the steps were refused before any pickle ran
 
@@ -95,19 +95,19 @@ def test_allowed_class_restores_in_place_and_is_refused_once_not_allowed(
 _CHILD = textwrap.dedent("""
     import json, sys
     import torch
-    from checkpointd import CheckpointManager, UnsafeCheckpointError, load
+    from checkpointd import CheckpointManager, UnacceptedSubclassError, load
     out = {}
     for name, root in (("pair", sys.argv[1]), ("int8", sys.argv[2])):
         try:
             load(root)
             out[name + "_load"] = "loaded"
-        except UnsafeCheckpointError as exc:
+        except UnacceptedSubclassError as exc:
             out[name + "_load"] = str(exc)
         with CheckpointManager(root, {"model": torch.nn.Linear(4, 4)}) as mgr:
             try:
                 mgr.restore_latest()
                 out[name + "_restore"] = "restored"
-            except UnsafeCheckpointError as exc:
+            except UnacceptedSubclassError as exc:
                 out[name + "_restore"] = str(exc)
             out[name + "_steps"] = mgr.steps()
     out["imported"] = sorted(m for m in sys.modules if m.startswith(("torchao", "tests")))

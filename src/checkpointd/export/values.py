@@ -17,6 +17,7 @@ from checkpointd.errors import ConfigError
 from checkpointd.format import layout
 from checkpointd.format.dequantize import dequantize_tree
 from checkpointd.format.manifest import FileEntry, Manifest
+from checkpointd.format.subclasses import subclass_paths
 from checkpointd.restore.assemble import assemble_full_values
 from checkpointd.restore.step import (decode, fast_read_applies, load_native, malformed_is_damage, read_local_fast,
                                       read_step, read_verified, values_by_entry)
@@ -68,14 +69,15 @@ def _read_file(store: Store, step_dir: str, entry: FileEntry) -> Any:
 def plain_values(values: dict[str, Any], manifest: Manifest, fmt: str, dequantize: bool) -> dict[str, Any]:
     """``values`` ready for a format that holds plain tensors only (DCP, safetensors).
 
-    A step holding tensor subclasses (torchao's quantized tensors; the manifest lists them) is refused
-    unless ``dequantize`` is set; then each becomes the plain tensor its class computes
-    (:func:`checkpointd.format.dequantize.dequantize_tree`), not bit-exact, and a warning names them.
+    A step holding tensor subclasses (torchao's quantized tensors, found in the values: a sharded step's
+    are assembled from every rank's blocks) is refused unless ``dequantize`` is set; then each becomes the
+    plain tensor its class computes (:func:`checkpointd.format.dequantize.dequantize_tree`), not
+    bit-exact, and a warning names them.
 
     Raises:
         ConfigError: subclasses and ``dequantize`` False, or a class that cannot be dequantized.
     """
-    listed = [f"{rel} {key}" for rel, keys in manifest.extra.get("subclasses", {}).items() for key in keys]
+    listed = subclass_paths(values)
     if not listed:
         return values
     if not dequantize:

@@ -26,6 +26,9 @@ DEQUANTIZERS: dict[str, Dequantizer] = {
     "torchao.float8.float8_training_tensor.Float8TrainingTensor": lambda t: t.to_original_precision(),
     # its inner tensor is the high-precision master weight itself: this one is exact
     "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor": lambda t: t._tensor.detach(),
+    "torchao.optim.subclass_8bit.OptimState8bit": lambda t: t.dequantize(),
+    "torchao.optim.subclass_4bit.OptimState4bit": lambda t: t.dequantize(),
+    "torchao.optim.subclass_fp8.OptimStateFp8": lambda t: t.dequantize(),
 }
 """How each class becomes a plain tensor, by qualified class name."""
 

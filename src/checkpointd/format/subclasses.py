@@ -39,6 +39,10 @@ BUILTIN_CLASSES = frozenset({
     "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor",
     "torchao.float8.float8_training_tensor.Float8TrainingTensor",
     "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor",
+    # torchao.optim's low-bit optimizer states (AdamW8bit, AdamW4bit, AdamWFp8, ...)
+    "torchao.optim.subclass_8bit.OptimState8bit",
+    "torchao.optim.subclass_4bit.OptimState4bit",
+    "torchao.optim.subclass_fp8.OptimStateFp8",
 })
 """Classes accepted once the caller's process has imported them (looked up in ``sys.modules`` only)."""
 
@@ -252,7 +256,7 @@ def check_described(described: Any, where: str) -> None:
     """Refuse, from the manifest's ``extra["subclasses"]`` alone, a step holding a class not accepted.
 
     Raises:
-        UnacceptedSubclassError: (an UnsafeCheckpointError) a key holds a class that is not imported or not accepted.
+        UnacceptedSubclassError: a key holds a class that is not imported or not accepted.
         CorruptCheckpointError: the description is malformed.
     """
     if described is None:
@@ -276,6 +280,11 @@ def check_loaded(obj: Any, where: str) -> None:
     for path, t in _subclasses_in(obj, ()):
         if accepted_class(qualname(type(t))) is not type(t):
             raise UnacceptedSubclassError(refusal(qualname(type(t)), f"{where} key {'/'.join(path)!r}"))
+
+
+def subclass_paths(obj: Any) -> list[str]:
+    """``"a/b/c"`` paths of the tensor subclass values in a tree of loaded values."""
+    return ["/".join(path) for path, _ in _subclasses_in(obj, ())]
 
 
 def _subclasses_in(obj: Any, path: tuple[str, ...]) -> Iterable[tuple[tuple[str, ...], torch.Tensor]]:

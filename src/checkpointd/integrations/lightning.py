@@ -58,7 +58,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from checkpointd import commit
 from checkpointd.errors import (NOT_VERIFIED, CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                                CorruptCheckpointError, IncompleteCheckpointError, UnacceptedSubclassError)
+                                CorruptCheckpointError, IncompleteCheckpointError)
 from checkpointd.format import layout
 from checkpointd.integrations.lightning_pointer import (SAVE_ID_METRIC, Pointer, SaveRef, dirname, is_link, join,
                                                         normalize, read_pointer, remove_file, resolve_root,
@@ -382,8 +382,6 @@ def _load_pointed(path: str, pointer: Pointer, storage_options: dict[str, Any] |
     root = resolve_root(path, pointer.root)
     try:
         return _load_save(root, pointer.target, storage_options)
-    except UnacceptedSubclassError:  # the caller's set-up (an import, an allow-list), not damage
-        raise
     except (CheckpointNotFoundError, *NOT_VERIFIED) as exc:
         if pointer.fallback is None:
             raise IncompleteCheckpointError(
