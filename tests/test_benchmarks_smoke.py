@@ -173,6 +173,21 @@ def test_bench_compression_small_smoke(tmp_path: Path) -> None:
     assert all(r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 for r in rows)
 
 
+@pytest.mark.timeout(300)
+def test_bench_quantized_smoke(tmp_path: Path) -> None:
+    """Every method on two quantized states; checkpointd's restores bit-exact, DCP's outcome recorded."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "quantized.json"
+    _run("bench_quantized.py", "--width", "256", "--layers", "1", "--kinds", "int8,qlora", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["state"], r["method"]) for r in rows} == {(k, m) for k in ("int8", "qlora")
+                                                         for m in ("checkpointd", "dcp_async", "dcp", "torch_save")}
+    ours = [r for r in rows if r["method"] == "checkpointd"]
+    assert all(r["bit_exact"] is True and r["bytes"] > 0 and r["complete_s"] >= r["call_s"] for r in ours)
+    assert {c for r in ours for c in r["classes"]} == {"Int8Tensor", "NF4Tensor"}
+    assert all("bit_exact" in r or "error" in r for r in rows)
+
+
 def _drift_runs(medians: dict[str, float], base: float) -> list[dict]:
     return [{"method": m, "median_step_ms": v, "none_median_step_ms": base} for m, v in medians.items()]
 
