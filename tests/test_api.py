@@ -160,7 +160,7 @@ def test_no_schedule_saves_only_when_forced(tmp_path):
 
 
 def test_stats_keys_and_values(tmp_path):
-    with CheckpointManager(tmp_path, {"t": torch.arange(10_000.0)}, keep_last=None) as mgr:
+    with CheckpointManager(tmp_path, {"t": torch.arange(10_000.0)}, keep_last=None, compression="zstd") as mgr:
         before = mgr.stats()
         assert before["saves_started"] == 0 and before["last_committed_step"] is None
         mgr.save(1)

@@ -188,6 +188,17 @@ def test_bench_quantized_smoke(tmp_path: Path) -> None:
     assert all("bit_exact" in r or "error" in r for r in rows)
 
 
+@pytest.mark.timeout(300)
+def test_bench_s3_smoke(tmp_path: Path) -> None:
+    """Against a real SeaweedFS server: every codec stores fewer bytes than none, and auto picks planes."""
+    out = tmp_path / "s3.json"
+    _run("bench_s3.py", "--mb", "2", "--saves", "1", "--json", str(out))
+    rows = {str(r["compression"]): r for r in json.loads(out.read_text())["rows"]}
+    assert 0.95 < rows["None"]["ratio"] <= 1.0  # manifest and markers beside the native files
+    assert rows["zstd-planes"]["ratio"] > rows["zstd"]["ratio"] > 1.0
+    assert rows["auto"]["codec"] == "zstd-planes"
+
+
 def _drift_runs(medians: dict[str, float], base: float) -> list[dict]:
     return [{"method": m, "median_step_ms": v, "none_median_step_ms": base} for m, v in medians.items()]
 

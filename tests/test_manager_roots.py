@@ -3,6 +3,7 @@ all save, list, restore and ``load`` the same way."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import fsspec
@@ -72,3 +73,22 @@ def test_root_is_created_when_missing(tmp_path):
     with CheckpointManager(root, {"t": torch.ones(1)}) as mgr:
         mgr.save(0)
     assert (root / "step-000000000" / "COMMITTED").exists()
+
+
+@pytest.mark.parametrize("kind, codec", [("str", "none"), ("path", "none"), ("file-url", "none"),
+                                         ("memory", "zstd-planes")])
+def test_the_default_compression_is_none_on_local_roots_and_planes_on_remote_ones(tmp_path, kind, codec):
+    """``compression="auto"``: local storage takes native bytes faster than the CPU compresses them."""
+    root = _root(kind, tmp_path)
+    with CheckpointManager(root, _state(1)) as mgr:
+        mgr.save(1)
+        assert mgr.stats()["codec"] == codec
+    with fsspec.open(f"{root}/step-000000001/manifest.json", "rb") as f:
+        names = [entry["path"] for entry in json.loads(f.read())["files"]]
+    assert names and all(n.endswith(".zst") for n in names) == (codec == "zstd-planes")
+
+
+def test_two_tiers_commit_native_files_locally_by_default(tmp_path):
+    with CheckpointManager(f"memory://checkpointd-tests/{uuid.uuid4().hex}", _state(1), local_dir=tmp_path / "local") as mgr:
+        mgr.save(1)
+        assert mgr.stats()["codec"] == "none"

@@ -75,7 +75,7 @@ def test_upload_order_is_data_manifest_marker(tmp_path):
 def test_restore_prefers_local_and_falls_back_to_remote(tmp_path):
     root, local = _memory_root(), tmp_path / "local"
     state = _state()
-    with CheckpointManager(root, state, local_dir=local, keep_last=None) as mgr:
+    with CheckpointManager(root, state, local_dir=local, keep_last=None, compression="zstd") as mgr:
         for step in (1, 2):
             _set(state, float(step))
             mgr.save(step)
@@ -101,7 +101,7 @@ def test_restore_prefers_local_and_falls_back_to_remote(tmp_path):
     local2 = tmp_path / "local2"
     state = _state()
     root2 = _memory_root()
-    with CheckpointManager(root2, state, local_dir=local2) as mgr:
+    with CheckpointManager(root2, state, local_dir=local2, compression="zstd") as mgr:
         _set(state, 7.0)
         mgr.save(7)
         mgr.wait()

@@ -40,13 +40,12 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from checkpointd.storage import recyclebin
-from checkpointd.codecs.compress import get_codec
 from checkpointd.errors import CheckpointError, ConfigError
 from checkpointd.format.mdlus import is_physicsnemo_module, mdlus_json_members
 from checkpointd.manager_restore import Restorer
 from checkpointd.manager_roots import Roots
-from checkpointd.manager_setup import (as_step, as_steps, check_arguments, distributed_runtime, open_store,
-                                       register_flush_at_exit)
+from checkpointd.manager_setup import (as_step, as_steps, check_arguments, choose_codec, distributed_runtime,
+                                       open_store, register_flush_at_exit)
 from checkpointd.options import DistributedOptions, IOOptions, StagingOptions
 from checkpointd.policy import RetentionPolicy, SaveSchedule
 from checkpointd.preemption import PreemptionWatcher, resolve_signals
@@ -76,7 +75,9 @@ class CheckpointManager:
             state_dict()/load_state_dict() | tensor | dict/list of plain data.
         every_n_steps / every_n_seconds / at_steps: when ``maybe_save`` saves.
         keep_last / keep_every_n_steps / keep_best / best_metric / best_mode: retention.
-        compression: None or a codec name ("zstd").
+        compression: ``"auto"`` (native files on local roots, ``"zstd-planes"`` on object stores and
+            other remote roots: see :func:`checkpointd.manager_setup.choose_codec`), None, or a codec name
+            (``"zstd"``, ``"zstd-planes"``).
         mode: "full" or "sharded" (matters only under torch.distributed).
         storage_options: passed to fsspec.
         max_pending: saves in flight before ``maybe_save`` waits for the oldest.
@@ -103,7 +104,7 @@ class CheckpointManager:
         keep_best: int = 0,
         best_metric: str | None = None,
         best_mode: str = "min",
-        compression: str | None = "zstd",
+        compression: str | None = "auto",
         mode: str = "full",
         storage_options: dict[str, Any] | None = None,
         max_pending: int = 1,
@@ -119,7 +120,6 @@ class CheckpointManager:
                                       at_steps=frozenset(as_steps(at_steps)))
         self._retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                           keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
-        self._codec = get_codec(compression)
         self._mode = mode
         self._overwrite = bool(overwrite)
         self._max_pending = max_pending
@@ -127,6 +127,7 @@ class CheckpointManager:
         remote = None
         if local_dir is not None:  # two tiers: saves commit on local disk, the uploader copies them to root
             remote, self._store = self._store, open_store(local_dir, None, io.retry_timeout_secs)
+        self._codec = choose_codec(compression, self._store)
         self._exit_timeout_secs = io.retry_timeout_secs + 60.0
         self._entries = build_entries(state, is_physicsnemo_module)
         self._dist = distributed_runtime(self._entries, mode, distributed.timeout_secs)

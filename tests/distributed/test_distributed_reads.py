@@ -38,7 +38,7 @@ def save_at_4(rank: int, world: int, root: str) -> Any:
     train_same_batches(model, opt, 2, seed=11, features=6)
     for _, p in model.named_parameters():
         assert [type(pl).__name__ for pl in p.placements] == ["Shard"] and p.placements[0].dim == 0
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression="zstd", every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         mgr.save(2)
     full = gathered_state(model, opt)  # collective
     return full if rank == 0 else None
@@ -51,7 +51,7 @@ def restore_counting_reads(rank: int, world: int, root: str) -> Any:
     model, opt = fsdp2_with_adamw(Even, seed=5)  # different init: everything must come from the checkpoint
     out: dict[str, Any] = {"reads": [], "full": []}
     plan = FaultPlan(Fault(op="read", path=lambda p: "/shards/" in p, error=None))
-    with CheckpointManager(f"faulty://{root}", {"model": model, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30),
+    with CheckpointManager(f"faulty://{root}", {"model": model, "optim": opt}, mode="sharded", compression="zstd", distributed=DistributedOptions(timeout_secs=30),
                            storage_options={"target_protocol": "file", "faults": plan}) as mgr:
         for attempt in range(2):
             if attempt == 1:
@@ -73,7 +73,7 @@ def restore_expecting_corruption(rank: int, world: int, root: str) -> Any:
     train_same_batches(model, opt, 1, seed=3, features=6)
     before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     error = ""
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression="zstd", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         try:
             mgr.restore(2)
         except CorruptCheckpointError as exc:
@@ -112,7 +112,7 @@ def test_damaged_shard_needed_by_one_rank_fails_every_rank(tmp_path: Path) -> No
 
 def save_two_steps(rank: int, world: int, root: str) -> Any:
     model, opt = fsdp2_with_adamw(Even, seed=0)
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression="zstd", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         for step in (1, 2):
             train_same_batches(model, opt, 1, seed=step, features=6)
             mgr.save(step)
@@ -128,7 +128,7 @@ def resume_past_damage(rank: int, world: int, root: str) -> Any:
     import warnings
 
     model, opt = fsdp2_with_adamw(Even, seed=5)
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", distributed=DistributedOptions(timeout_secs=30)) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode="sharded", compression="zstd", distributed=DistributedOptions(timeout_secs=30)) as mgr:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             start = mgr.resume()

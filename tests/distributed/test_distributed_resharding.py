@@ -45,7 +45,7 @@ def save_fsdp2(rank: int, world: int, root: str, mode: str) -> Any:
     model, opt = fsdp2_with_adamw(Net, seed=0)
     train_same_batches(model, opt, 2, seed=123, features=5)
     torch.manual_seed(1000 + rank)  # per-rank RNG to find back
-    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
+    with CheckpointManager(root, {"model": model, "optim": opt}, mode=mode, compression="zstd", every_n_steps=1, distributed=DistributedOptions(timeout_secs=30)) as mgr:
         assert mgr.maybe_save(2)
         after_save = torch.rand(3)
         opt.param_groups[0]["lr"] = 0.5  # changes after the save must not leak into it
