@@ -16,7 +16,7 @@ from typing import Any
 
 from checkpointd import commit
 from checkpointd.format import dcp, layout
-from checkpointd.format.dequantize import dequantize_tree
+from checkpointd.format.dequantize import dequantize_tree, not_exact_warning
 from checkpointd.format.subclasses import check_described, check_loaded, check_sharded_described
 from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from checkpointd.restore.assemble import assemble_full_values
@@ -61,10 +61,7 @@ def load(path: str | os.PathLike[str], step: int | None = None, storage_options:
     done: dict[str, str] = {}
     values = dequantize_tree(values, (), done)
     if done:
-        keys = ", ".join(f"{k!r} ({c.rpartition('.')[2]})" for k, c in list(done.items())[:8])
-        warnings.warn(f"checkpointd: load(dequantize=True) gave {len(done)} tensor subclass value(s) as plain "
-                      f"dequantized tensors, which are not bit-exact copies of the saved values: {keys}"
-                      + (" and more" if len(done) > 8 else ""), UserWarning, stacklevel=2)
+        warnings.warn(not_exact_warning(done, "load(dequantize=True)"), UserWarning, stacklevel=2)
     return values
 
 

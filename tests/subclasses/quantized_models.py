@@ -116,3 +116,24 @@ def optimizer_bits(opt: torch.optim.Optimizer) -> dict[str, Any]:
 def run_qlora(model: nn.Module, opt: torch.optim.Optimizer, steps: range, after_step: Callable[[int], Any] | None = None) -> None:
     """QLoRA training steps (inputs of 256 bf16 features)."""
     train_steps(model, opt, steps, 256, torch.bfloat16, after_step)
+
+
+def restore_in_place(root: Any, saved: nn.Module, opt_saved: torch.optim.Optimizer, fresh: nn.Module,
+                     opt_fresh: torch.optim.Optimizer, step: int, **save_options: Any) -> None:
+    """Save ``saved`` at ``step`` with ``save_options``, restore into ``fresh``: the live parameter objects
+    and their inner storages take the values, bit for bit, optimizer state included."""
+    from checkpointd import CheckpointManager
+
+    with CheckpointManager(root, {"model": saved, "opt": opt_saved}, **save_options) as mgr:
+        mgr.save(step)
+    before = identities(fresh)
+    with CheckpointManager(root, {"model": fresh, "opt": opt_fresh}) as mgr:
+        assert mgr.restore_latest() == step
+    assert identities(fresh) == before
+    assert_bit_equal(saved.state_dict(), fresh.state_dict())
+    assert_bit_equal(optimizer_bits(opt_saved), optimizer_bits(opt_fresh))
+
+
+def identities(model: nn.Module) -> dict[str, Any]:
+    """Each parameter's Python object and its inner tensors' data pointers."""
+    return {k: (id(p), {n: t.data_ptr() for n, t in inner(p).items()}) for k, p in model.named_parameters()}

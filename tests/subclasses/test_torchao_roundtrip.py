@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -24,8 +24,8 @@ from checkpointd import CheckpointManager, StateMismatchError, StagingOptions
 from checkpointd.restore import apply as restore_apply
 from checkpointd.save import snapshot
 from tests.fake_physicsnemo import FakePNModule
-from tests.subclasses.quantized_models import (assert_bit_equal, float8_model, float8_training_model, inner,
-                                               int8_model, optimizer_bits, qlora_model, train_steps)
+from tests.subclasses.quantized_models import (assert_bit_equal, float8_model, float8_training_model,
+                                               int8_model, optimizer_bits, qlora_model, restore_in_place, train_steps)
 
 MODELS: dict[str, tuple[Callable[[int], nn.Module], int, torch.dtype, bool]] = {
     # name: (builder, input features, input dtype, trained)
@@ -41,11 +41,6 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def _identities(model: nn.Module) -> dict[str, Any]:
-    """Each parameter's Python object and its inner tensors' data pointers."""
-    return {k: (id(p), {n: t.data_ptr() for n, t in inner(p).items()}) for k, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_restore_is_bit_exact_in_place_and_training_continues(tmp_path: Path, name: str) -> None:
     build, features, dtype, trained = MODELS[name]
@@ -53,14 +48,7 @@ def test_restore_is_bit_exact_in_place_and_training_continues(tmp_path: Path, na
     opt_saved, opt_fresh = _optimizer(saved), _optimizer(fresh)
     if trained:
         train_steps(saved, opt_saved, range(3), features, dtype)
-    with CheckpointManager(tmp_path / "ckpt", {"model": saved, "opt": opt_saved}, compression=None) as mgr:
-        mgr.save(3)
-    before = _identities(fresh)
-    with CheckpointManager(tmp_path / "ckpt", {"model": fresh, "opt": opt_fresh}) as mgr:
-        assert mgr.restore_latest() == 3
-    assert _identities(fresh) == before  # the live objects and their inner storages took the values
-    assert_bit_equal(saved.state_dict(), fresh.state_dict())
-    assert_bit_equal(optimizer_bits(opt_saved), optimizer_bits(opt_fresh))
+    restore_in_place(tmp_path / "ckpt", saved, opt_saved, fresh, opt_fresh, 3, compression=None)
     # the module file is what torch.save writes: a weights-only torch.load reads the subclasses back
     (model_file,) = (tmp_path / "ckpt" / "step-000000003").glob("Sequential.0.3.pt")
     assert_bit_equal(saved.state_dict(), torch.load(model_file, weights_only=True))
@@ -79,14 +67,7 @@ def test_device_staging_and_zstd_paths_restore_bit_exactly(tmp_path: Path, monke
     opt_saved, opt_fresh = _optimizer(saved), _optimizer(fresh)
     train_steps(saved, opt_saved, range(2), 256, torch.bfloat16)
     staging = StagingOptions(host_budget_bytes=1 << 20)
-    with CheckpointManager(tmp_path, {"model": saved, "opt": opt_saved}, compression="zstd", staging=staging) as mgr:
-        mgr.save(2)
-    before = _identities(fresh)
-    with CheckpointManager(tmp_path, {"model": fresh, "opt": opt_fresh}) as mgr:
-        assert mgr.restore_latest() == 2
-    assert _identities(fresh) == before
-    assert_bit_equal(saved.state_dict(), fresh.state_dict())
-    assert_bit_equal(optimizer_bits(opt_saved), optimizer_bits(opt_fresh))
+    restore_in_place(tmp_path, saved, opt_saved, fresh, opt_fresh, 2, compression="zstd", staging=staging)
 
 
 class QuantNet(FakePNModule):

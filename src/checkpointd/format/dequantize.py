@@ -71,4 +71,11 @@ def _plain(t: torch.Tensor, where: str, done: dict[str, str]) -> torch.Tensor:
     return out.detach()
 
 
-__all__ = ["DEQUANTIZERS", "Dequantizer", "dequantize_tree", "register_dequantizer"]
+def not_exact_warning(done: dict[str, str], what: str) -> str:
+    """The warning for ``done`` (path -> class) values that ``what`` gave as plain dequantized tensors."""
+    keys = ", ".join(f"{k!r} ({c.rpartition('.')[2]})" for k, c in list(done.items())[:8])
+    return (f"checkpointd: {what} gave {len(done)} tensor subclass value(s) as plain dequantized tensors, which "
+            f"are not bit-exact copies of the saved values: {keys}" + (" and more" if len(done) > 8 else ""))
+
+
+__all__ = ["DEQUANTIZERS", "Dequantizer", "dequantize_tree", "not_exact_warning", "register_dequantizer"]

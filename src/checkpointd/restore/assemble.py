@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Mapping
 
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.dequantize import not_exact_warning
 from checkpointd.format.manifest import Manifest
 from checkpointd.format.sharding import map_tree, materialize, path_key
 from checkpointd.restore.sharded_subclasses import dequantize_leaves, leaf_for
@@ -90,8 +91,6 @@ def assemble_full_values(manifest: Manifest, contents: Mapping[str, Any], dequan
         dequantize_leaves(values, done)
     out = {name: materialize(tree) for name, tree in values.items()}
     if done:
-        keys = ", ".join(f"{k!r} ({c.rpartition('.')[2]})" for k, c in list(done.items())[:8])
-        warnings.warn(f"checkpointd: step {manifest.step}'s sharded tensor subclass value(s) were assembled as plain "
-                      f"dequantized tensors, which are not bit-exact copies of the saved values: {keys}"
-                      + (" and more" if len(done) > 8 else ""), UserWarning, stacklevel=3)
+        warnings.warn(not_exact_warning(done, f"assembling step {manifest.step}'s sharded values"), UserWarning,
+                      stacklevel=3)
     return out
