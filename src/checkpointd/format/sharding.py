@@ -154,7 +154,7 @@ class _SplitLeaf:
 
     def __init__(self, path: tuple[Any, ...], x: Any, local: torch.Tensor, rank: int) -> None:
         self.dt, self.spec = x, getattr(x, "_spec", None)
-        self.layout, self.ctx = _layout(local), _ctx(local)
+        self.layout, self.ctx = _layout_and_ctx(local)
         self.key = path_key(path)
         offsets, shape = local_region(x)
         mesh = x.device_mesh
@@ -180,23 +180,24 @@ class _SplitLeaf:
                 self.record["block"].update(block_part)
 
     def matches(self, x: Any, local: torch.Tensor) -> bool:
-        return (x is self.dt and self.spec is not None and getattr(x, "_spec", None) is self.spec
-                and _layout(local) == self.layout and (self.ctx is None or _same(_ctx(local), self.ctx)))
+        if not (x is self.dt and self.spec is not None and getattr(x, "_spec", None) is self.spec):
+            return False
+        layout, ctx = _layout_and_ctx(local)
+        return layout == self.layout and (self.ctx is None or _same(ctx, self.ctx))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _layout(t: torch.Tensor) -> tuple[Any, ...]:
-    if type(t) not in _PLAIN and is_stored_subclass(t):  # no storage of its own: its inner tensors' layouts
-        names, _ = t.__tensor_flatten__()
-        return (type(t), tuple(t.shape), t.dtype, tuple((n, _layout(getattr(t, n))) for n in names))
-    return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def _ctx(t: torch.Tensor) -> Any:
-    """A subclass's flatten context (the record describes it; a change makes a new record); None for plain tensors."""
-    return t.__tensor_flatten__()[1] if type(t) not in _PLAIN and is_stored_subclass(t) else None
+def _layout_and_ctx(t: torch.Tensor) -> tuple[tuple[Any, ...], Any]:
+    """What the cached record depends on: the memory layout (a subclass has no storage of its own: its
+    inner tensors' layouts) and, for a subclass, its flatten context (the record describes it; a change
+    makes a new record), from one ``__tensor_flatten__`` call; the context is None for plain tensors."""
+    if type(t) not in _PLAIN and is_stored_subclass(t):
+        names, ctx = t.__tensor_flatten__()
+        inner = tuple((n, _layout_and_ctx(getattr(t, n))[0]) for n in names)
+        return (type(t), tuple(t.shape), t.dtype, inner), ctx
+    return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device), None
 
 
 def _same(a: Any, b: Any) -> bool:
