@@ -41,6 +41,7 @@ import torch
 
 from checkpointd.errors import CheckpointError
 from checkpointd.format.sharding import is_dtensor
+from checkpointd.format.subclasses import is_stored_subclass
 from checkpointd.distributed.state_dicts import is_fsdp1
 
 logger = logging.getLogger("checkpointd")
@@ -160,6 +161,7 @@ class ModuleStateCache:
         self.watch: StructureWatch | None = None
         self._keys: list[str] = []
         self._values: list[torch.Tensor] = []
+        self._detach: list[int] = []
         self._pre_hooks: list[tuple[torch.nn.Module, str]] = []
         self.eligible = True
 
@@ -173,7 +175,10 @@ class ModuleStateCache:
                     hook(m, prefix, False)
         if not self.watch.unchanged(token):
             return None
-        return OrderedDict(zip(self._keys, self._values))
+        values = list(self._values)
+        for i in self._detach:  # as state_dict() gives them: a subclass's detach may drop caches (see learn)
+            values[i] = values[i].detach()
+        return OrderedDict(zip(self._keys, values))
 
     def learn(self, reference: dict[str, Any]) -> None:
         """Learn a plan from a full call's output; keep none if rebuilding would not reproduce it."""
@@ -188,6 +193,11 @@ class ModuleStateCache:
             self.watch = StructureWatch(self.model)  # re-learn only after the structure changes
             return
         self._keys, self._values, self._pre_hooks = plan
+        # A parameter whose (local) tensor is a subclass goes through its class's detach, as in state_dict():
+        # torchao's float8 all-gather weight drops its precomputed scale there, so the plan's value and a full
+        # call's give the same inner tensors.
+        self._detach = [i for i, v in enumerate(self._values)
+                        if is_stored_subclass(v._local_tensor if is_dtensor(v) else v)]
         self.watch = StructureWatch(self.model)
 
     def should_learn(self, token: object) -> bool:
