@@ -2,11 +2,14 @@
 
     python benchmarks/perf_doc.py --out docs/performance.md "LABEL=OUT_DIR@COMMIT" ["LABEL=OUT_DIR@COMMIT" ...]
 
-Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``; ``COMMIT`` is the commit
-whose code ran; ``LABEL`` names the run (e.g. the card). For each benchmark the document gets one table:
-the workload, card, commit and command of each run above it, then checkpointd's rows beside
-``torch.save`` and ``torch.distributed.checkpoint.async_save`` (restore: ``torch.load``), the runs side
-by side. ``benchmarks/results/`` holds the JSON of the numbers the document quotes.
+Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``float8_fsdp.json``,
+``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
+For the stall and restore benchmarks the document gets one table: the workload, card, commit and command
+of each run above it, then checkpointd's rows beside ``torch.save`` and
+``torch.distributed.checkpoint.async_save`` (restore: ``torch.load``), the runs side by side. The
+quantized-state benchmarks print their own table (checkpointd beside DCP and ``torch.save`` in each
+row), which the document quotes with its card, commit and command. ``benchmarks/results/`` holds the
+JSON of the numbers the document quotes.
 """
 
 from __future__ import annotations
@@ -89,6 +92,35 @@ BENCHMARKS = (
 )
 
 
+TABLES = (
+    ("float8_fsdp", "torchao float8 training under FSDP2",
+     "`benchmarks/bench_float8_fsdp.py`: the blocking call of the save (`call ms`), the extra time of the 8 "
+     "training steps after it (`extra ms`), until complete (`done s`), bytes on disk, the restore into a fresh "
+     "FSDP2 model, and whether every rank's master weights, AdamW moments and the next step's loss came back "
+     "bit for bit."),
+    ("quantized", "Quantized state (torchao tensor subclasses)",
+     "`benchmarks/bench_quantized.py`, one GPU: the second of two saves (`call ms`: the blocking call, "
+     "`complete ms`: until committed), a restore into a fresh object, and whether every stored byte (subclass "
+     "inner tensors included) came back. `checkpointd_plain` saves the same bytes as plain tensors: the "
+     "difference in `call ms` is what walking the subclasses costs the training thread."),
+)
+
+
+def _tables(parsed: list[tuple[str, str, str]]) -> list[str]:
+    out: list[str] = []
+    for name, title, meaning in TABLES:
+        for label, d, commit in parsed:
+            doc = _load(d, name)
+            if doc is None:
+                continue
+            info = doc.get("info", {})
+            out += [f"## {title}", "",
+                    f"- {label}: {info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch "
+                    f"{info.get('torch', '?')}, {info.get('date', '?')}. Commit: `{commit}`. Command: "
+                    f"`{info.get('command', '?')}`.", "", meaning, "", "```", doc["table"], "```", ""]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="LABEL=OUT_DIR@COMMIT")
@@ -119,6 +151,7 @@ def main() -> None:
         for method, what in rows:
             out.append(f"| `{method}` | {what} | " + " | ".join(cell(doc, method) for _, _, doc in runs) + " |")
         out.append("")
+    out += _tables(parsed)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(out))
