@@ -15,8 +15,10 @@ across rows). That knowledge is an :class:`InnerSharding` rule:
 - ``"replicated"``: every block holds the whole inner tensor (NF4's lookup table and scaler mean);
   the blocks must agree bit for bit.
 
-Built-in rules cover NF4 and the float8 all-gather weight (by qualified name: nothing is imported);
-:func:`register_inner_sharding` adds others. Rules describe layouts only: a class must still be
+Built-in rules cover NF4, the float8 all-gather weight and torchao's low-bit optimizer states
+(``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``: AdamW8bit, AdamW4bit, AdamWFp8 moments under
+FSDP2; their codes and block scales follow the outer rows, a target that cuts a quantization block is
+refused), by qualified name: nothing is imported; :func:`register_inner_sharding` adds others. Rules describe layouts only: a class must still be
 accepted (:mod:`checkpointd.format.subclasses`) to be rebuilt.
 """
 
@@ -74,6 +76,26 @@ def _nf4_ctx_for_shape(ctx: Any, size: tuple[int, ...], stride: tuple[int, ...])
     return out
 
 
+def _optim4bit_ctx_for_shape(ctx: Any, size: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+    """torchao's ``OptimState4bit`` context ``[signed, shape, dtype]`` for a tensor of ``size``.
+
+    (Its codes are a flat buffer, so the outer shape is kept in the context: a shard holds its own.)
+    """
+    if isinstance(ctx, (list, tuple)) and len(ctx) == 3 and isinstance(ctx[1], (tuple, list)):
+        out = list(ctx)
+        out[1] = torch.Size(size)
+        return type(ctx)(out)
+    return ctx
+
+
+# torchao.optim's low-bit optimizer states quantize the parameter flattened, in blocks of ``block_size``
+# consecutive elements (``codes.numel() // scale.numel()``, 4-bit: ``* 2``): outer rows [a, b) of a tensor
+# with ``C`` elements a row hold flat elements [a*C, b*C), that is codes [a*C, b*C) (8-bit, fp8: the
+# codes keep the outer shape, so codes rows [a, b); 4-bit: two codes a byte, bytes [a*C/2, b*C/2)) and
+# scales [a*C/block_size, b*C/block_size). Every part is a contiguous proportional range: "rows", and a
+# target that cuts a block (or a byte) is refused. qmap, the code -> value table, is in every block.
+_OPTIM_STATE = {"codes": ROWS, "scale": ROWS, "qmap": REPLICATED}
+
 RULES: dict[str, InnerSharding] = {
     "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor": InnerSharding(
         {"quantized_data": ROWS, "quantization_factor": ROWS, "quantized_scalers": ROWS,
@@ -81,8 +103,12 @@ RULES: dict[str, InnerSharding] = {
         _nf4_ctx_for_shape),
     "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor": InnerSharding(
         {"_tensor": ROWS, "_precomputed_scale": REPLICATED}),
+    "torchao.optim.subclass_8bit.OptimState8bit": InnerSharding(_OPTIM_STATE),  # ctx [signed, dtype]
+    "torchao.optim.subclass_4bit.OptimState4bit": InnerSharding(_OPTIM_STATE, _optim4bit_ctx_for_shape),
+    "torchao.optim.subclass_fp8.OptimStateFp8": InnerSharding({"codes": ROWS, "scale": ROWS}),  # ctx [dtype]
 }
-"""Inner-sharding rules by qualified class name (built-ins: torchao's NF4 and float8 all-gather weight)."""
+"""Inner-sharding rules by qualified class name (built-ins: torchao's NF4, float8 all-gather weight and
+low-bit optimizer states)."""
 
 
 def register_inner_sharding(cls: type, rules: Mapping[str, str], *, ctx_for_shape: CtxForShape | None = None) -> None:
