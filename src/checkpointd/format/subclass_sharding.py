@@ -18,8 +18,8 @@ across rows). That knowledge is an :class:`InnerSharding` rule:
 Built-in rules cover NF4, the float8 all-gather weight and torchao's low-bit optimizer states
 (``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``: AdamW8bit, AdamW4bit, AdamWFp8 moments under
 FSDP2; their codes and block scales follow the outer rows, a target that cuts a quantization block is
-refused), by qualified name: nothing is imported; :func:`register_inner_sharding` adds others. Rules describe layouts only: a class must still be
-accepted (:mod:`checkpointd.format.subclasses`) to be rebuilt.
+refused), by qualified name: nothing is imported; :func:`register_inner_sharding` adds others. Rules
+describe layouts only: a class must still be accepted (:mod:`checkpointd.format.subclasses`) to be rebuilt.
 """
 
 from __future__ import annotations

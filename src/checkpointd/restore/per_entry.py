@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from checkpointd.errors import ConfigError, StateMismatchError
-from checkpointd.format.sharding import stored_shape
+from checkpointd.format.sharding import is_dtensor, stored_shape
 from checkpointd.format.subclasses import is_stored_subclass, qualname
 from checkpointd.state import RESERVED_KEYS, Entry, unwrap_module
 
@@ -162,9 +162,15 @@ def fit_module(e: Entry, live: Mapping[str, Any], stored: Any, source: str, stri
     reshaped = [k for k in live if k in stored and stored_shape(live[k]) is not None
                 and stored_shape(stored[k]) is not None and stored_shape(live[k]) != stored_shape(stored[k])]
     for k in live:
-        if k in stored and _subclass_of(live[k]) != _subclass_of(stored[k]):
-            raise StateMismatchError(f"{name} key {k!r}: the live tensor is {_subclass_of(live[k]) or 'a plain tensor'}, "
-                                     f"{source} holds {_subclass_of(stored[k]) or 'a plain tensor'}; build the model "
+        if k not in stored:
+            continue
+        saved = _subclass_of(stored[k])
+        # a DTensor's local subclass must match a whole saved one (a full-mode value into FSDP2's shards); a
+        # plain saved value may go into it (the float8 all-gather weight wraps its plain master weight)
+        mine = _subclass_of(live[k], local=saved is not None)
+        if mine != saved:
+            raise StateMismatchError(f"{name} key {k!r}: the live tensor is {mine or 'a plain tensor'}, "
+                                     f"{source} holds {saved or 'a plain tensor'}; build the model "
                                      "with the quantization it was saved with (or load(..., dequantize=True))")
     if strict:
         if missing or extra:
@@ -195,8 +201,11 @@ def fit_module(e: Entry, live: Mapping[str, Any], stored: Any, source: str, stri
     return subset, note
 
 
-def _subclass_of(v: Any) -> str | None:
-    """The qualified class of a stored tensor subclass (a quantized tensor); None for anything else."""
+def _subclass_of(v: Any, *, local: bool = False) -> str | None:
+    """The qualified class of a stored tensor subclass (a quantized tensor), with ``local`` also of a DTensor's
+    local tensor; None for anything else."""
+    if local and is_dtensor(v):
+        v = getattr(v, "_local_tensor", None)
     return qualname(type(v)) if is_stored_subclass(v) else None
 
 

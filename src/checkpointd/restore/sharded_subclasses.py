@@ -13,6 +13,12 @@ A :class:`ShardedSubclassLeaf` restores it three ways:
   copied from the stored blocks into the live inner tensors. A class without a rule, a target that cuts
   the class's groups, or another config is refused with a StateMismatchError before anything is copied
   into that tensor.
+- **from a whole value** (a full-mode checkpoint restored into a DTensor whose local tensor is of the
+  same class, FSDP2 over NF4): the whole stored subclass is seen as one block covering every row
+  (:class:`WholeSubclassLeaf`, :func:`rows_source`), so each rank copies its rows of the inner tensors
+  by the class's rule, as above, not through the class's ``copy_`` of an outer slice (which may
+  re-quantize, or refuse the slice: NF4 slices only from row 0 to the end). A class without a rule
+  keeps that ``copy_`` path.
 - **whole** (``checkpointd.load``, a single-process restore): one block is the stored object itself;
   several are concatenated by the rule and rebuilt with the class's ``__tensor_unflatten__`` (accepted
   classes only). ``dequantize=True`` instead assembles the blocks' dequantized values, which works
@@ -30,9 +36,9 @@ import torch
 
 from checkpointd.errors import CorruptCheckpointError, StateMismatchError, UnacceptedSubclassError
 from checkpointd.format.dequantize import dequantize_tree
-from checkpointd.format.sharding import ShardedLeaf
+from checkpointd.format.sharding import ShardedLeaf, is_dtensor
 from checkpointd.format.subclass_sharding import REPLICATED, ROWS, InnerSharding, inner_rows, no_rule, row_blocks, rule_for
-from checkpointd.format.subclasses import accepted_class, is_stored_subclass, qualname, refusal
+from checkpointd.format.subclasses import accepted_class, is_stored_subclass, local_description, qualname, refusal
 from checkpointd.restore.inner_copies import NotInPlace, comparable, inner_pairs, on_device
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -224,6 +230,41 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class WholeSubclassLeaf(ShardedSubclassLeaf):
+    """A whole stored tensor subclass (a full-mode value) as a sharded leaf of one block covering every row.
+
+    Its :meth:`plan_to` gives a live local subclass its rows of the inner tensors by the class's
+    inner-sharding rule (refusing rows that cut a group), as a resharded sharded checkpoint does.
+    """
+
+    def __init__(self, value: torch.Tensor, where: str) -> None:
+        """Raises ValueError: an inner tensor of ``value`` is itself a subclass (nested: not described)."""
+        class_part, block_part = local_description(value)
+        record = {"global_shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                  "subclass": class_part, "mesh_shape": None,
+                  "blocks": [{"rank": 0, "offsets": [0] * value.dim(), "shape": list(value.shape), **block_part}]}
+        super().__init__(where, "[]", record, lambda _rank: {"[]": value})
+        self._where = where
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+
+def rows_source(live: Any, stored: Any, where: str) -> Any:
+    """What ``live`` takes ``stored`` from: a :class:`WholeSubclassLeaf` when ``live`` is a DTensor whose local
+    tensor is of the class of ``stored``, a whole stored subclass whose class has an inner-sharding rule;
+    otherwise ``stored`` itself (the outer tensor's slice and ``copy_``)."""
+    if not (is_dtensor(live) and isinstance(stored, torch.Tensor) and is_stored_subclass(stored)):
+        return stored
+    if type(getattr(live, "_local_tensor", None)) is not type(stored) or rule_for(qualname(type(stored))) is None:
+        return stored
+    try:
+        return WholeSubclassLeaf(stored, where)
+    except ValueError:  # nested subclasses: the class's own copy_
+        return stored
+
+
 def leaf_for(name: str, key: str, record: dict[str, Any], read_blocks: Any) -> ShardedLeaf:
     """The leaf reading one stored tensor: a :class:`ShardedSubclassLeaf` when its blocks are subclasses."""
     if "subclass" in record:
@@ -243,4 +284,4 @@ def dequantize_leaves(tree: Any, done: dict[str, str]) -> None:
             dequantize_leaves(v, done)
 
 
-__all__ = ["ShardedSubclassLeaf", "dequantize_leaves", "leaf_for"]
+__all__ = ["ShardedSubclassLeaf", "WholeSubclassLeaf", "dequantize_leaves", "leaf_for", "rows_source"]
