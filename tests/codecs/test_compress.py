@@ -7,12 +7,14 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
 from checkpointd.codecs import container
 from checkpointd.codecs import crc as codecs_crc
 from checkpointd.codecs import plane_kernels as codecs_plane_kernels
+from checkpointd.codecs import planes as codecs_planes
 from checkpointd.codecs import zstd_frames
 from checkpointd.format import serialize
 from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec
@@ -221,6 +223,23 @@ def test_damaged_input_raises_corrupt(codec, damage: str) -> None:
         broken = bytearray(b"not a checkpoint at all" * 10)
     with pytest.raises(CorruptCheckpointError, match="corrupt"):
         decode(codec, bytes(broken))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_damaged_compressed_plane_fails_its_crc_before_zstd_reads_it(dtype, monkeypatch) -> None:
+    view = as_view(weights(dtype, 1 << 16))
+    frame = bytearray(b"".join(bytes(memoryview(p)) for p in codecs_planes.encode_chunk(view, dtype, 1)))
+    out = np.empty(view.nbytes, dtype=np.uint8)
+    codecs_planes.decode_chunk_into(memoryview(bytes(frame)), out)
+    assert out.tobytes() == bytes(view)
+    frame[-40] ^= 0x10  # inside the last plane: the exponents' zstd frame (nibble codes)
+    parsed = []
+    for name in ("zstd_decompress_slack", "zstd_decompress_into"):
+        real = getattr(codecs_planes, name)
+        monkeypatch.setattr(codecs_planes, name, lambda *a, _real=real: parsed.append(a) or _real(*a))
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        codecs_planes.decode_chunk_into(memoryview(bytes(frame)), out)
+    assert parsed == []
 
 
 def test_zero_length_and_unknown_codec_names() -> None:

@@ -180,7 +180,9 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     native_nbytes = out.nbytes
     count = native_nbytes // itemsize
     pos, actual_crc = _PLANE.size * itemsize, 0
-    crc_all = bool(flags & _FLAG_CRC_ALL)  # then one CRC call over planes and tail (contiguous), below
+    crc_all = bool(flags & _FLAG_CRC_ALL)
+    if crc_all:  # one CRC call over planes and tail (contiguous), before any plane is parsed
+        _check_crc(crc32(body[_PLANE.size * itemsize :]), crc)
     flat = scratch("planes", count * itemsize + 1)  # + 1: slack for zstd_decompress_slack
     decoded = flat[: count * itemsize].reshape(itemsize, count)
     lib = planes_native.library()
@@ -214,7 +216,8 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     tail = body[pos:]
     if tail.nbytes != native_nbytes - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {tail.nbytes} tail bytes, expected {native_nbytes % itemsize}")
-    _check_crc(crc32(body[_PLANE.size * itemsize :] if crc_all else tail, actual_crc), crc)
+    if not crc_all:
+        _check_crc(crc32(tail, actual_crc), crc)
     copy_into(out[count * itemsize :], tail)
     if not count:
         return
