@@ -55,7 +55,7 @@ import common as C  # noqa: E402
 
 WINDOW = 21  # the save step + 20 steps after it
 
-ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd",
+ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd", "checkpointd_planes",
                "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
                "io_only_reuse", "copy_only", "clone_only", "lightning_async", "checkpointd_lightning"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
@@ -244,6 +244,13 @@ class Checkpointd(Saver):
 class CheckpointdZstd(Checkpointd):
     name = "checkpointd_zstd"
     compression = "zstd"
+
+
+class CheckpointdPlanes(Checkpointd):
+    """``compression="zstd-planes"``: what ``compression="auto"`` picks for an object store."""
+
+    name = "checkpointd_planes"
+    compression = "zstd-planes"
 
 
 class CheckpointdDevice(Checkpointd):
@@ -628,7 +635,7 @@ class CloneOnly(CopyOnly):
         self.gpu, self.pending = [], []  # the next method gets this GPU memory back
 
 
-SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd,
+SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd, CheckpointdPlanes,
                               CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly,
                               CloneOnly, LightningAsync, CheckpointdLightning]}
 

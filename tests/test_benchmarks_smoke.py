@@ -180,9 +180,9 @@ def test_bench_quantized_smoke(tmp_path: Path) -> None:
     out = tmp_path / "quantized.json"
     _run("bench_quantized.py", "--width", "256", "--layers", "1", "--kinds", "int8,qlora", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["state"], r["method"]) for r in rows} == {(k, m) for k in ("int8", "qlora")
-                                                         for m in ("checkpointd", "dcp_async", "dcp", "torch_save")}
-    ours = [r for r in rows if r["method"] == "checkpointd"]
+    assert {(r["state"], r["method"]) for r in rows} == {(k, m) for k in ("int8", "qlora") for m in (
+        "checkpointd", "checkpointd_plain", "dcp_async", "dcp", "torch_save")}
+    ours = [r for r in rows if r["method"] in ("checkpointd", "checkpointd_plain")]
     assert all(r["bit_exact"] is True and r["bytes"] > 0 and r["complete_s"] >= r["call_s"] for r in ours)
     assert {c for r in ours for c in r["classes"]} == {"Int8Tensor", "NF4Tensor"}
     assert all("bit_exact" in r or "error" in r for r in rows)
@@ -192,11 +192,34 @@ def test_bench_quantized_smoke(tmp_path: Path) -> None:
 def test_bench_s3_smoke(tmp_path: Path) -> None:
     """Against a real SeaweedFS server: every codec stores fewer bytes than none, and auto picks planes."""
     out = tmp_path / "s3.json"
-    _run("bench_s3.py", "--mb", "2", "--saves", "1", "--json", str(out))
-    rows = {str(r["compression"]): r for r in json.loads(out.read_text())["rows"]}
-    assert 0.95 < rows["None"]["ratio"] <= 1.0  # manifest and markers beside the native files
-    assert rows["zstd-planes"]["ratio"] > rows["zstd"]["ratio"] > 1.0
-    assert rows["auto"]["codec"] == "zstd-planes"
+    _run("bench_s3.py", "--mb", "2", "--saves", "1", "--links", "0,20", "--json", str(out))
+    result = json.loads(out.read_text())["rows"]
+    for link in (0, 20):
+        rows = {str(r["compression"]): r for r in result if r["link_mb_per_s"] == link}
+        assert 0.95 < rows["None"]["ratio"] <= 1.0  # manifest and markers beside the native files
+        assert rows["zstd-planes"]["ratio"] > rows["zstd"]["ratio"] > 1.0
+        assert rows["auto"]["codec"] == "zstd-planes"
+    throttled = next(r for r in result if r["link_mb_per_s"] == 20 and r["compression"] is None)
+    assert min(throttled["commit_s"]) >= 0.9 * throttled["bytes"] / 20e6  # the proxy holds the link to 20 MB/s
+
+
+@pytest.mark.timeout(300)
+def test_bench_float8_fsdp_smoke(tmp_path: Path) -> None:
+    """torchao float8 training under FSDP2 on 2 gloo ranks: checkpointd's rows restore bit-exactly."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "float8_fsdp.json"
+    env = dict(os.environ, **SMOKE_ENV, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(BENCH / "bench_float8_fsdp.py"),
+                           "--cpu", "--width", "64", "--layers", "2", "--batch", "16", "--steps", "4", "--after", "2",
+                           "--dir", str(tmp_path / "ckpt"), "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"checkpointd", "checkpointd_device", "dcp_async", "dcp"}
+    for name in ("checkpointd", "checkpointd_device"):
+        assert rows[name]["bit_exact"] is True and rows[name]["bytes"] > 0, rows[name]
+        assert rows[name]["classes"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"]
+    assert all(isinstance(r.get("bit_exact"), bool) or "error" in r for r in rows.values())
 
 
 def _drift_runs(medians: dict[str, float], base: float) -> list[dict]:
@@ -381,10 +404,12 @@ def test_perf_doc_writes_one_table_per_benchmark_from_the_kept_results(tmp_path:
     out = tmp_path / "performance.md"
     proc = subprocess.run([sys.executable, str(BENCH / "perf_doc.py"), "--out", str(out),
                            f"H200={BENCH / 'results' / 'h200-stall'}@abc1234",
-                           f"H200={BENCH / 'results' / 'h200-restore'}@def5678"], capture_output=True, text=True, timeout=60)
+                           f"H200={BENCH / 'results' / 'h200-restore'}@def5678",
+                           f"2x H200={BENCH / 'results' / 'h200x2-quantized'}@0123abc"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert text.count("\n## ") == 2 and "Command: `" in text
+    assert text.count("\n## ") == 4 and "Command: `" in text and text.count("Commit: `0123abc`") == 2
+    assert "`benchmarks/bench_float8_fsdp.py`" in text and "checkpointd_plain" in text
     assert text.count("Commit: `abc1234`") == 1 and text.count("Commit: `def5678`") == 1
     for row in ("`checkpointd`", "`dcp_async`", "`torch_save`", "`checkpointd restore_latest`", "`torch_load + load_state_dict`"):
         assert f"| {row} |" in text, row
