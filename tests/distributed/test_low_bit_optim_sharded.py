@@ -143,13 +143,18 @@ def save_on_4(rank: int, world: int, root: str) -> None:
     state = _models(world, 0)
     _step(state, 1, rank, world)
     _step(state, 2, rank, world)
-    with CheckpointManager(Path(root) / "r4", state, **OPTS) as mgr:
-        mgr.save(2)
+    _save_with_reference(state, Path(root), "r4", 2, rank, world)
+
+
+def _save_with_reference(state: dict[str, Any], root: Path, name: str, step: int, rank: int, world: int) -> None:
+    """Save ``step`` under ``root/name``, then keep the state it saved and the one a step later (``want<name>.pt``)."""
+    with CheckpointManager(root / name, state, **OPTS) as mgr:
+        mgr.save(step)
     saved = _snapshot(state, world)
-    _step(state, 3, rank, world)
+    _step(state, step + 1, rank, world)
     after = _snapshot(state, world)
     if rank == 0:
-        torch.save({"saved": saved, "after": after}, Path(root) / "want4.pt")
+        torch.save({"saved": saved, "after": after}, root / f"want{name[1:]}.pt")
 
 
 def restore_on_2(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -169,13 +174,7 @@ def restore_on_2(rank: int, world: int, root: str) -> dict[str, Any]:
     _assert_snapshot(_snapshot(state, world), want["saved"], "4 -> 2")
     _step(state, 3, rank, world)
     _assert_snapshot(_snapshot(state, world), want["after"], "the step after 4 -> 2")
-    with CheckpointManager(Path(root) / "r2", state, **OPTS) as mgr:
-        mgr.save(3)
-    saved = _snapshot(state, world)
-    _step(state, 4, rank, world)
-    after = _snapshot(state, world)
-    if rank == 0:
-        torch.save({"saved": saved, "after": after}, Path(root) / "want2.pt")
+    _save_with_reference(state, Path(root), "r2", 3, rank, world)
     return {"restored": restored, "classes": sorted({type(t).__name__ for t in live.values()})}
 
 
