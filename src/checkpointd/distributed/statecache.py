@@ -175,6 +175,8 @@ class ModuleStateCache:
                     hook(m, prefix, False)
         if not self.watch.unchanged(token):
             return None
+        if not self._detach:
+            return OrderedDict(zip(self._keys, self._values))
         values = list(self._values)
         for i in self._detach:  # as state_dict() gives them: a subclass's detach may drop caches (see learn)
             values[i] = values[i].detach()

@@ -255,9 +255,8 @@ def rows_source(live: Any, stored: Any, where: str) -> Any:
     """What ``live`` takes ``stored`` from: a :class:`WholeSubclassLeaf` when ``live`` is a DTensor whose local
     tensor is of the class of ``stored``, a whole stored subclass whose class has an inner-sharding rule;
     otherwise ``stored`` itself (the outer tensor's slice and ``copy_``)."""
-    if not (is_dtensor(live) and isinstance(stored, torch.Tensor) and is_stored_subclass(stored)):
-        return stored
-    if type(getattr(live, "_local_tensor", None)) is not type(stored) or rule_for(qualname(type(stored))) is None:
+    if not (is_dtensor(live) and is_stored_subclass(stored) and type(live._local_tensor) is type(stored)
+            and rule_for(qualname(type(stored))) is not None):
         return stored
     try:
         return WholeSubclassLeaf(stored, where)
