@@ -125,7 +125,7 @@ def split_tree(tree: Any, rank: int, cache: dict[tuple[Any, ...], "_SplitLeaf"] 
     def leaf(path: tuple[Any, ...], x: Any) -> Any:
         if is_dtensor(x):
             held = getattr(x, "_local_tensor", None)  # a subclass: the object itself (to_local() may give a view)
-            local = held if type(held) not in _PLAIN and is_stored_subclass(held) else x.to_local()
+            local = held if is_stored_subclass(held) else x.to_local()
             hit = cache.get(path) if cache is not None else None
             if hit is None or not hit.matches(x, local):
                 hit = _SplitLeaf(path, x, local, rank)
@@ -170,7 +170,7 @@ class _SplitLeaf:
         self.owned = owns_block(x) and math.prod(shape) > 0
         if self.owned:
             self.record["block"] = {"rank": rank, "offsets": list(offsets), "shape": list(shape)}
-        if type(local) not in _PLAIN and is_stored_subclass(local):
+        if is_stored_subclass(local):
             if tuple(local.shape) != tuple(shape):
                 raise StateError(f"a DTensor at {self.key} has a padded {type(local).__name__} local tensor "
                                  f"({tuple(local.shape)} for a block of {tuple(shape)}), which checkpointd cannot store")
@@ -186,14 +186,11 @@ class _SplitLeaf:
         return layout == self.layout and (self.ctx is None or _same(ctx, self.ctx))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _layout_and_ctx(t: torch.Tensor) -> tuple[tuple[Any, ...], Any]:
     """What the cached record depends on: the memory layout (a subclass has no storage of its own: its
     inner tensors' layouts) and, for a subclass, its flatten context (the record describes it; a change
     makes a new record), from one ``__tensor_flatten__`` call; the context is None for plain tensors."""
-    if type(t) not in _PLAIN and is_stored_subclass(t):
+    if is_stored_subclass(t):
         names, ctx = t.__tensor_flatten__()
         inner = tuple((n, _layout_and_ctx(getattr(t, n))[0]) for n in names)
         return (type(t), tuple(t.shape), t.dtype, inner), ctx
@@ -340,10 +337,10 @@ def plan_copy(live: torch.Tensor, stored: Any, where: str) -> Callable[[], None]
         offsets, lshape = local_region(live)
         target: torch.Tensor = cast(Any, live).to_local()  # a DTensor, checked by is_dtensor
         held = getattr(live, "_local_tensor", None)
-        if type(held) not in _PLAIN and is_stored_subclass(held):
+        if is_stored_subclass(held):
             target = held  # the live object itself, whose inner tensors take the stored ones in place
         if tuple(target.shape) != lshape:  # padded local tensors: copy into the logical block only
-            if type(target) not in _PLAIN and is_stored_subclass(target):
+            if is_stored_subclass(target):
                 raise StateMismatchError(f"{where}: the live {type(target).__name__} local tensor is padded "
                                          f"({tuple(target.shape)} for a block of {lshape}); checkpointd cannot restore into it")
             target = target[tuple(slice(0, s) for s in lshape)]
