@@ -43,9 +43,9 @@ from checkpointd.state import EPOCH_KEY, RNG_KEY, Entry, FileContent, build_file
 from checkpointd.storage.store import Store
 from checkpointd.save.job import SaveJob
 from checkpointd.restore.assemble import shard_file_name, sharded_values
-from checkpointd.restore.sharded_subclasses import rows_source
+from checkpointd.restore.sharded_subclasses import plan_copy_into
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
-from checkpointd.format.sharding import ShardedLeaf, copy_into, materialize, merge_records, split_tree, walk
+from checkpointd.format.sharding import ShardedLeaf, materialize, merge_records, split_tree, walk
 from checkpointd.format.subclasses import check_described, check_sharded_described
 from checkpointd.distributed.state_dicts import (check_optimizer, gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer,
                           module_state, optimizer_state, owner_module, plan_module, plan_optimizer)
@@ -486,6 +486,6 @@ class DistributedRuntime:
         elif e.kind == "optimizer":
             load_optimizer(e.obj, self.owner[e.name], value, where)
         elif e.kind == "tensor":
-            copy_into(e.obj, rows_source(e.obj, value, where), where)
+            plan_copy_into(e.obj, value, where)()
         else:
             per_entry.apply_entry(e, materialize(value))

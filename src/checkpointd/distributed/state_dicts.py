@@ -24,9 +24,9 @@ import torch
 
 from checkpointd.errors import StateMismatchError
 from checkpointd.restore.per_entry import KeySubset
-from checkpointd.restore.sharded_subclasses import rows_source
+from checkpointd.restore.sharded_subclasses import plan_copy_into
 from checkpointd.state import unwrap_module
-from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, plan_copy, stored_shape
+from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module")
 
@@ -115,7 +115,7 @@ def load_module(model: torch.nn.Module, stored: dict[str, Any], where: str) -> N
     if missing or extra:
         raise StateMismatchError(f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys {extra[:5]}")
     # every key checked first (a tensor subclass that cannot be resharded is refused before any key is copied)
-    copies = [plan_copy(t, rows_source(t, stored[k], f"{where} key {k!r}"), f"{where} key {k!r}")
+    copies = [plan_copy_into(t, stored[k], f"{where} key {k!r}")
               for k, t in live.items() if isinstance(t, torch.Tensor) and k in stored]
     for copy in copies:
         copy()
@@ -183,7 +183,7 @@ def _load_state_value(live: dict[str, Any], name: str, v: Any, p: torch.Tensor, 
         live[name] = v
         return
     if isinstance(lv, torch.Tensor) and tuple(lv.shape) == shape:
-        copy_into(lv, rows_source(lv, v, where), where)
+        plan_copy_into(lv, v, where)()
         return
     dtype = v.dtype if isinstance(v, (torch.Tensor, ShardedLeaf)) else None
     if shape == tuple(p.shape) and len(shape) > 0:

@@ -36,7 +36,7 @@ import torch
 
 from checkpointd.errors import CorruptCheckpointError, StateMismatchError, UnacceptedSubclassError
 from checkpointd.format.dequantize import dequantize_tree
-from checkpointd.format.sharding import ShardedLeaf, is_dtensor
+from checkpointd.format.sharding import ShardedLeaf, is_dtensor, plan_copy
 from checkpointd.format.subclass_sharding import REPLICATED, ROWS, InnerSharding, inner_rows, no_rule, row_blocks, rule_for
 from checkpointd.format.subclasses import accepted_class, is_stored_subclass, local_description, qualname, refusal
 from checkpointd.restore.inner_copies import NotInPlace, comparable, inner_pairs, on_device
@@ -264,6 +264,11 @@ def rows_source(live: Any, stored: Any, where: str) -> Any:
         return stored
 
 
+def plan_copy_into(live: torch.Tensor, stored: Any, where: str) -> Callable[[], None]:
+    """:func:`checkpointd.format.sharding.plan_copy` of ``stored`` into ``live``, from its :func:`rows_source`."""
+    return plan_copy(live, rows_source(live, stored, where), where)
+
+
 def leaf_for(name: str, key: str, record: dict[str, Any], read_blocks: Any) -> ShardedLeaf:
     """The leaf reading one stored tensor: a :class:`ShardedSubclassLeaf` when its blocks are subclasses."""
     if "subclass" in record:
@@ -283,4 +288,5 @@ def dequantize_leaves(tree: Any, done: dict[str, str]) -> None:
             dequantize_leaves(v, done)
 
 
-__all__ = ["ShardedSubclassLeaf", "WholeSubclassLeaf", "dequantize_leaves", "leaf_for", "rows_source"]
+__all__ = ["ShardedSubclassLeaf", "WholeSubclassLeaf", "dequantize_leaves", "leaf_for", "plan_copy_into",
+           "rows_source"]
