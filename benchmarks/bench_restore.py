@@ -14,8 +14,10 @@ and the live tensors zeroed:
   process reads them with the most threads of --raw-threads into pageable buffers it touched first;
 - torch_load: torch.load(weights_only=True) to CPU, then model.load_state_dict + optimizer.load_state_dict
   (which copy into / onto the live device);
-- checkpointd / checkpointd_zstd: restore_latest() of a fresh manager on that root, into the live objects
-  (construction untimed, reported);
+- checkpointd / checkpointd_zstd / checkpointd_planes: restore_latest() of a fresh manager on that root,
+  into the live objects (construction untimed, reported), of an uncompressed / ``"zstd"`` /
+  ``"zstd-planes"`` checkpoint; into CUDA tensors a planes file is decoded on the GPU
+  (``checkpointd.codecs.planes_device``), and ``checkpointd_planes_hostverify`` decodes it on the host;
 - checkpointd_cold: the uncompressed restore as a resumed job does it, its only one: each repetition a
   fresh Python process builds the same model and optimizer (values zeroed; untimed), builds a manager
   (reported) and runs restore_latest() (timed inside that process); its values are checked by the
@@ -73,17 +75,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_cold", "checkpointd_phases",
+ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_planes",
+               "checkpointd_planes_hostverify", "checkpointd_cold", "checkpointd_phases",
                "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
                "checkpointd_cold_python"]
 SWITCH_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                   "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
+                  "checkpointd_planes_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                   "checkpointd_cold_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                   "checkpointd_cold_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                   "checkpointd_cold_python": {"CHECKPOINTD_NATIVE": "0"}}
 """Extra checkpointd rows: the same restore with a library switch set (``checkpointd.options``);
 ``checkpointd`` itself runs with the defaults."""
-DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd", "checkpointd_cold",
+DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd",
+                   "checkpointd_planes", "checkpointd_planes_hostverify", "checkpointd_cold",
                    "checkpointd_cold_hostverify", "checkpointd_phases"]
 
 
@@ -266,7 +271,7 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
     if isinstance(ckd, str):
         row["error"] = ckd
         return row
-    compression = "zstd" if m.endswith("zstd") else None
+    compression = "zstd-planes" if "_planes" in m else "zstd" if m.endswith("zstd") else None
     knobs = SWITCH_METHODS.get(m, {})
     if knobs:
         row["notes"].append(" ".join(f"{k}={v}" for k, v in knobs.items()))

@@ -38,6 +38,8 @@ RESTORE_ROWS = (
     ("checkpointd restore_latest, fresh process", "the same as a resumed job's first restore"),
     ("checkpointd_hostverify restore_latest", "the same, checksummed on the host"),
     ("checkpointd_zstd restore_latest", "a `compression=\"zstd\"` checkpoint"),
+    ("checkpointd_planes restore_latest", "a `compression=\"zstd-planes\"` checkpoint, decoded on the GPU"),
+    ("checkpointd_planes_hostverify restore_latest", "the same, checksummed and decoded on the host"),
     ("torch_load + load_state_dict", "`torch.load` and `load_state_dict`"),
 )
 

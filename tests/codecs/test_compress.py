@@ -372,7 +372,7 @@ def test_planes_chunks_with_a_crc_of_raw_planes_only_decode() -> None:
     stored = [planes[0].tobytes(), planes[1].tobytes(), planes[2].tobytes(), exponent]
     crc = codecs_crc.crc32(b"".join(stored[:3]))
     table = b"".join(kernels._PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
-    body = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
+    body = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
     frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
@@ -409,7 +409,7 @@ def _planes_frame(kernels, itemsize: int, stored: list[tuple[int, bytes]], nativ
     blobs = b"".join(blob for _, blob in stored)
     table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
     flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
-    header = kernels._CHUNK_HEADER.pack(kernels._KIND_PLANES, itemsize, flags, native, codecs_crc.crc32(blobs))
+    header = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native, codecs_crc.crc32(blobs))
     body = header + table + blobs
     return container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
 
@@ -435,7 +435,7 @@ def test_nibble_plane_escapes_are_counted_exactly(escapes: int) -> None:
     def frame(claimed: int, values: np.ndarray) -> memoryview:
         packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
         nibbles = codecs_plane_kernels.NIBBLES.pack(base, claimed) + zstd_frames.plane_compressor().compress(packed)
-        stored = [(kernels._MODE_RAW, lo.tobytes()), (kernels._MODE_NIBBLES, nibbles)]
+        stored = [(kernels.MODE_RAW, lo.tobytes()), (kernels.MODE_NIBBLES, nibbles)]
         return memoryview(_planes_frame(kernels, 2, stored, 2 * count))
 
     decoded = np.zeros(2 * count, dtype=np.uint8)
@@ -457,10 +457,10 @@ def test_zstd_plane_of_the_wrong_size_is_corrupt(extra: int) -> None:
     count = 1000
     plane = bytes(range(256)) * 4
     wrong = zstd_frames.plane_compressor().compress(plane[: count + extra])
-    stored = [(kernels._MODE_RAW, plane[:count]), (kernels._MODE_ZSTD, wrong)]
+    stored = [(kernels.MODE_RAW, plane[:count]), (kernels.MODE_ZSTD, wrong)]
     decoded = np.zeros(2 * count, dtype=np.uint8)
     with pytest.raises(CorruptCheckpointError, match="decodes to"):
         kernels.decode_chunk_into(memoryview(_planes_frame(kernels, 2, stored, 2 * count)), decoded)
-    stored = [(kernels._MODE_ZSTD, wrong), (kernels._MODE_RAW, plane[:count])]  # first plane: slack is the next plane's
+    stored = [(kernels.MODE_ZSTD, wrong), (kernels.MODE_RAW, plane[:count])]  # first plane: slack is the next plane's
     with pytest.raises(CorruptCheckpointError, match="decodes to"):
         kernels.decode_chunk_into(memoryview(_planes_frame(kernels, 2, stored, 2 * count)), decoded)

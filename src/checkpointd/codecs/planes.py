@@ -14,6 +14,7 @@ Costs per 4 MiB fp32 chunk on one core with the NumPy kernels (randn * 0.02): en
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,8 +54,8 @@ _CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, 
 _PLANE = struct.Struct("<BxxxI")  # mode, stored size
 _SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 
-_KIND_RAW, _KIND_ZSTD, _KIND_PLANES = 0, 1, 2
-_MODE_RAW, _MODE_ZSTD, _MODE_NIBBLES = 0, 1, 2
+KIND_RAW, KIND_ZSTD, KIND_PLANES = 0, 1, 2
+MODE_RAW, MODE_ZSTD, MODE_NIBBLES = 0, 1, 2
 _FLAG_ROTATED = 1
 _FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes then carry no checksum)
 
@@ -116,19 +117,19 @@ def encode_planes(
     table, blobs, crc = [], [], 0
     for plane, compress, base in zip(planes, worth, bases or [None] * itemsize):
         parts = pack_nibbles(plane, base) if base is not None else None
-        mode = _MODE_NIBBLES
+        mode = MODE_NIBBLES
         if parts is None and compress:
-            parts, mode = [plane_compressor().compress(plane)], _MODE_ZSTD
+            parts, mode = [plane_compressor().compress(plane)], MODE_ZSTD
         stored = sum(len(p) for p in parts) if parts is not None else plane.nbytes
         if parts is None or stored >= plane.nbytes:
-            parts, mode, stored = [plane], _MODE_RAW, plane.nbytes
+            parts, mode, stored = [plane], MODE_RAW, plane.nbytes
         table.append(_PLANE.pack(mode, stored))
         for part in parts:
             crc = crc32(part, crc)
         blobs += parts
     crc = crc32(view[whole:], crc)
     flags = _FLAG_ROTATED | _FLAG_CRC_ALL
-    header = _CHUNK_HEADER.pack(_KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
+    header = _CHUNK_HEADER.pack(KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
     return [header, *blobs, view[whole:]]
 
 
@@ -142,9 +143,9 @@ def encode_chunk(view: memoryview, dtype: torch.dtype | None, level: int) -> lis
     if parts is None:
         packed = compressor(level).compress(view)
         if len(packed) < view.nbytes:
-            parts = [_CHUNK_HEADER.pack(_KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
+            parts = [_CHUNK_HEADER.pack(KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
         else:
-            parts = [_CHUNK_HEADER.pack(_KIND_RAW, 1, 0, view.nbytes, crc32(view)), view]
+            parts = [_CHUNK_HEADER.pack(KIND_RAW, 1, 0, view.nbytes, crc32(view)), view]
     payload_nbytes = sum(memoryview(p).nbytes for p in parts)
     return [FRAME_HEADER.pack(_SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
 
@@ -164,12 +165,12 @@ def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
     if size != native_nbytes:
         raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
     body = frame[FRAME_HEADER.size + _CHUNK_HEADER.size :]
-    if kind == _KIND_RAW and body.nbytes == size:
+    if kind == KIND_RAW and body.nbytes == size:
         _check_crc(crc32(body), crc)
         copy_into(out, body)
-    elif kind == _KIND_ZSTD:
+    elif kind == KIND_ZSTD:
         zstd_decompress_into(body, out)
-    elif kind == _KIND_PLANES and itemsize in UINT_BY_ITEMSIZE:
+    elif kind == KIND_PLANES and itemsize in UINT_BY_ITEMSIZE:
         _decode_planes_into(body, itemsize, flags, crc, out)
     else:
         raise CorruptCheckpointError(f"bad chunk header (kind {kind}, itemsize {itemsize}, {body.nbytes} bytes)")
@@ -192,16 +193,16 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
         mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
         blob = body[pos : pos + stored]
         pos += stored
-        if blob.nbytes != stored or (mode == _MODE_RAW and stored != count):
+        if blob.nbytes != stored or (mode == MODE_RAW and stored != count):
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {blob.nbytes} of {stored} bytes)")
-        if mode == _MODE_RAW and not crc_all:
+        if mode == MODE_RAW and not crc_all:
             actual_crc = crc32(blob, actual_crc)
-        if mode == _MODE_RAW:
+        if mode == MODE_RAW:
             planes.append(np.frombuffer(blob, dtype=np.uint8))
-        elif mode == _MODE_ZSTD:
+        elif mode == MODE_ZSTD:
             planes.append(decoded[i])
             zstd_decompress_slack(blob, flat[i * count : (i + 1) * count + 1])  # slack: next plane's
-        elif mode == _MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= NIBBLES.size:
+        elif mode == MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= NIBBLES.size:
             base, escaped, packed = _read_nibbles(blob, count, f"packed{i}" if lib is not None else "packed")
             if lib is not None:
                 half = (count + 1) // 2
@@ -229,6 +230,74 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
         _, _, _, _, escaped = native[bad - 1]
         raise CorruptCheckpointError(f"nibble plane {bad - 1} has a different number of escape codes than "
                                      f"its header says ({escaped})")
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the parts of one chunk frame lie, checked against the format (offsets within the frame).
+
+    For decoders that read the parts elsewhere than :func:`decode_chunk_into` (the device decoder of
+    :mod:`checkpointd.codecs.planes_device`): ``planes`` holds ``(mode, start, stop)`` per plane of a
+    planes chunk (empty for the other kinds), ``crc_range`` the bytes the chunk's CRC covers
+    (``None``: a zstd chunk, whose frame carries its own checksum; an older planes chunk without
+    ``_FLAG_CRC_ALL`` is refused here and left to :func:`decode_chunk_into`).
+    """
+
+    kind: int
+    itemsize: int
+    count: int
+    rotated: bool
+    crc: int
+    body: tuple[int, int]
+    planes: list[tuple[int, int, int]]
+    tail: tuple[int, int]
+    crc_range: tuple[int, int] | None
+
+
+def read_chunk_layout(frame: memoryview, native_nbytes: int) -> ChunkLayout:
+    """The checked layout of one chunk frame of ``native_nbytes`` native bytes.
+
+    Raises:
+        CorruptCheckpointError: anything :func:`decode_chunk_into` would refuse before decoding, and a
+            nibble plane whose escape count exceeds its values.
+    """
+    if frame.nbytes < FRAME_HEADER.size + _CHUNK_HEADER.size:
+        raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
+    magic, payload_nbytes = FRAME_HEADER.unpack_from(frame)
+    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
+        raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
+    kind, itemsize, flags, size, crc = _CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
+    if size != native_nbytes:
+        raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
+    body = (FRAME_HEADER.size + _CHUNK_HEADER.size, frame.nbytes)
+    if kind == KIND_RAW and body[1] - body[0] == size:
+        return ChunkLayout(kind, 1, 0, False, crc, body, [], body, body)
+    if kind == KIND_ZSTD:
+        return ChunkLayout(kind, 1, 0, False, crc, body, [], (body[1], body[1]), None)
+    if kind != KIND_PLANES or itemsize not in UINT_BY_ITEMSIZE or not flags & _FLAG_CRC_ALL:
+        raise CorruptCheckpointError(f"bad chunk header (kind {kind}, itemsize {itemsize}, flags {flags}, "
+                                     f"{body[1] - body[0]} bytes)")
+    count = size // itemsize
+    pos = body[0] + _PLANE.size * itemsize
+    if pos > frame.nbytes:
+        raise CorruptCheckpointError(f"planes chunk of {frame.nbytes} bytes is too short for its plane table")
+    planes = []
+    for i in range(itemsize):
+        mode, stored = _PLANE.unpack_from(frame, body[0] + _PLANE.size * i)
+        if pos + stored > frame.nbytes or mode not in (MODE_RAW, MODE_ZSTD, MODE_NIBBLES) or (
+                mode == MODE_RAW and stored != count) or (mode == MODE_NIBBLES and stored < NIBBLES.size):
+            raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {stored} bytes stored, "
+                                         f"{frame.nbytes - pos} left in the chunk)")
+        if mode == MODE_NIBBLES and NIBBLES.unpack_from(frame, pos)[1] > count:
+            raise CorruptCheckpointError(f"nibble plane {i} claims {NIBBLES.unpack_from(frame, pos)[1]} escapes "
+                                         f"for {count} values")
+        planes.append((mode, pos, pos + stored))
+        pos += stored
+    if frame.nbytes - pos != size - count * itemsize:
+        raise CorruptCheckpointError(f"planes chunk has {frame.nbytes - pos} tail bytes, expected {size % itemsize}")
+    crc_range = (body[0] + _PLANE.size * itemsize, frame.nbytes)
+    return ChunkLayout(kind, itemsize, count, bool(flags & _FLAG_ROTATED), crc, body, planes, (pos, frame.nbytes),
+                       crc_range)
 
 
 def _read_nibbles(blob: memoryview, count: int, scratch_name: str) -> tuple[int, int, np.ndarray]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from checkpointd.format.subclasses import is_stored_subclass
-from checkpointd.restore import bulkcopy
+from checkpointd.restore import bulkcopy, device_image
 from checkpointd.restore.inner_copies import subclass_copies
 from checkpointd.restore.per_entry import KeySubset, apply_entry, match_optimizer_state_layout
 from checkpointd.state import Entry, unwrap_module
@@ -66,10 +66,15 @@ def apply_entries(entries: list[Entry], values: Mapping[str, Any]) -> None:
         except _NotPlain as why:
             logger.debug("state[%r]: per-entry restore (%s)", e.name, why)
             step = None
-        finish.append(step if step is not None else functools.partial(apply_entry, e, value))
+        finish.append(step if step is not None else functools.partial(_apply_entry, e, value))
     bulkcopy.copy_pairs(list(pairs.values()))
     for fn in finish:
         fn()
+
+
+def _apply_entry(e: Entry, value: Any) -> None:
+    device_image.ensure_host(value)  # the per-entry path reads the stored values on the host
+    apply_entry(e, value)
 
 
 class _NotPlain(Exception):
@@ -223,6 +228,7 @@ def _plan_optimizer(opt: torch.optim.Optimizer, value: Any, pairs: dict) -> Call
     placed_sd["state"] = new_state
 
     def finish() -> None:
+        device_image.ensure_host(placed_sd)  # what was not placed (steps, CPU parameters' state) torch reads
         opt.load_state_dict(placed_sd)
         match_optimizer_state_layout(opt)
 
@@ -240,6 +246,7 @@ def _place_state(p: torch.Tensor, v: torch.Tensor, key: Any, fused_or_capturable
     if key == "step" and not fused_or_capturable:
         # torch keeps it as stored; a small CPU view would keep the whole read buffer alive
         if v.device.type == "cpu" and v.nbytes <= _SMALL_ALIAS_BYTES and v.untyped_storage().nbytes() > 2 * _SMALL_ALIAS_BYTES:
+            device_image.ensure_host(v)
             return v.clone(), False
         return None
     if v.device.type != "cpu" or (p.device.type == "cpu" and not PLACE_ON_CPU):

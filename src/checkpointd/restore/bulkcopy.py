@@ -68,12 +68,16 @@ def copy_pairs(pairs: Sequence[Pair]) -> None:
     ``load_state_dict`` would end with it).
     """
     bulk: dict[torch.device, list[Pair]] = {}
+    plain: list[Pair] = []
     with torch.no_grad():
         for dst, src in pairs:
             if raw_copyable(dst, src):
                 bulk.setdefault(dst.device, []).append((flat_bytes(dst), flat_bytes(src)))
             else:
-                dst.copy_(src)
+                plain.append((dst, src))
+        device_image.ensure_host([src for _, src in plain])  # host bytes that only a device image holds yet
+        for dst, src in plain:
+            dst.copy_(src)
         for device, items in bulk.items():
             bounce = sum(d.numel() for d, _ in items) >= AUTO_MIN_BYTES
             from_image, items = device_image.take_from_images(items, device)
@@ -81,6 +85,7 @@ def copy_pairs(pairs: Sequence[Pair]) -> None:
                 device_to_device(device, from_image)
             if not items:
                 continue
+            device_image.ensure_host([src for _, src in items])
             if bounce:
                 bounced_h2d(device, items)
             else:

@@ -86,14 +86,20 @@ def safe_torch_load(stream: Any, where: str) -> Any:
         raise CorruptCheckpointError(f"{where} is not a readable .pt file: {exc}") from exc
 
 
-def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None = 0, threads: int = 4) -> dict[str, Any]:
-    """``{relative file path: decoded content}`` for the files of ``rank`` (all ranks if None)."""
+def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None = 0, threads: int = 4,
+              decode_on_device: bool = False) -> dict[str, Any]:
+    """``{relative file path: decoded content}`` for the files of ``rank`` (all ranks if None).
+
+    ``decode_on_device``: within a restore that verifies on a device (:func:`restore_in_place`), local
+    ``zstd-planes`` files may be decoded there; the host bytes of their float tensors are then written
+    only when read through :func:`checkpointd.restore.device_image.ensure_host`.
+    """
     files = [f for f in manifest.files if rank is None or f.rank == rank]
 
     def one(entry: FileEntry) -> tuple[str, Any]:
         where = store.display(layout.join(step_dir, entry.path))
         if fast_read_applies(store, entry):
-            return entry.path, read_local_fast(store, step_dir, entry)
+            return entry.path, read_local_fast(store, step_dir, entry, decode_on_device)
         data = read_verified(store, step_dir, entry)
         return entry.path, load_native(decode(entry.codec, data, where), entry.format, where)
 
@@ -112,12 +118,13 @@ def fast_read_applies(store: Store, entry: FileEntry) -> bool:
     )
 
 
-def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
+def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_device: bool = False) -> Any:
     """Decoded content of one local file: parallel verified read, decode, tensors built in place.
 
     Every byte is checked against the manifest before anything is parsed or applied. Within a restore
     into CUDA tensors a mapped file may be uploaded and checksummed on the GPU
-    (:mod:`checkpointd.restore.device_image`), its image registered for the apply only once the checksum matched.
+    (:mod:`checkpointd.restore.device_image`), its image registered for the apply only once the checksum
+    matched; a ``zstd-planes`` file is then decoded there too where ``decode_on_device``.
     """
     rel = layout.join(step_dir, entry.path)
     where = store.display(rel)
@@ -132,26 +139,37 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry) -> Any:
         return got[1]
 
     plain = entry.codec in ("none", "", None)
+    planes = decode_on_device and entry.codec == "zstd-planes"
     try:
         buf, size, checksum = fastload.read_file_verified(store.path(rel), entry.size, where,
-                                                          device_verify=on_device if plain else None)
+                                                          device_verify=on_device if plain or planes else None)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where} is listed in the manifest but missing") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"{where} was truncated while being read: {exc}") from exc
     check_file(where, entry, size, checksum)  # before anything is parsed, or the image is registered
-    device_image.register(image[0] if image else None)
-    if not plain:
+    decoded = None
+    if plain:
+        device_image.register(image[0] if image else None)
+    else:
         try:
-            buf = fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
+            decoded = device_image.decode_planes(buf, image[0] if image else None) if planes else None
+            image.clear()  # the stored bytes' device copy is done with
+            buf = decoded.host if decoded is not None else fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{where} could not be decompressed with codec {entry.codec!r}: {exc}") from exc
+        device_image.register(decoded)
     try:
-        return fastload.load_native_in_place(buf, entry.format)
+        content = fastload.load_native_in_place(buf, entry.format)
+        if decoded is not None and not device_image.follows(content):
+            device_image.fill_host(decoded)  # a tree ensure_host cannot follow: the host gets every byte now
+        return content
     except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
         logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
+    if decoded is not None:
+        device_image.fill_host(decoded)
     return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
 
 
@@ -233,12 +251,13 @@ def restore_in_place(store: Store, step_dir: str, selection: Selection) -> tuple
                 else:
                     values = {n: materialize(t) for n, t in sharded_values(manifest, contents).items() if n in names}
             else:
-                contents = read_step(store, step_dir, files_for(manifest, selection))
+                contents = read_step(store, step_dir, files_for(manifest, selection), decode_on_device=True)
                 values = values_by_entry(manifest, contents, names)
             check_loaded(values, f"step {manifest.step}")
             fitted = fit_values(selection, values, f"step {manifest.step}",
                                 {name: loc.class_name for name, loc in manifest.entries.items()}, manifest.entries)
             rng = rng_of(manifest, contents)
+            device_image.ensure_host(rng)
             if rng is not None:
                 check_rng(rng)  # a malformed RNG state is damage, found before anything is applied
         _apply(fitted.entries, fitted.values)

@@ -1,0 +1,258 @@
+"""Decode a ``zstd-planes`` file onto a torch device: entropy stage on the host, planes merged on the device.
+
+Why: decoding a planes file on the host ends in the byte-plane merge, a pass over every native byte,
+and then the merged bytes still cross to the GPU. Here the stored file is already on the device (the
+restore uploaded it there to checksum it, :mod:`checkpointd.restore.device_image`), so the raw planes,
+which are most of a float file, never leave it. The host decodes only the zstd-coded planes (the
+exponents: a quarter of fp32's bytes, half as nibble codes) and the chunks that are not planes (zip
+headers, pickles, integer tensors), and uploads those few bytes once; the device unpacks the nibble
+codes, puts the escapes back, merges the planes and rotates the elements back, chunk by chunk.
+
+nvCOMP or any other device entropy decoder is not used: checkpoint bytes are untrusted, and nvCOMP's
+zstd and deflate decoders are documented to take valid input only. Every index and size is checked on
+the host (:func:`checkpointd.codecs.planes.read_chunk_layout`) before the device sees it, device
+indexing is clamped so that no input can address outside its tensors, and what only the device can
+check (the number of escape codes of a nibble plane) is gathered in one flag read after the last chunk.
+
+The result is exact: the same bytes as :func:`checkpointd.codecs.planes.decode_chunk_into` gives for every
+chunk, with the same refusals (a chunk CRC, a zstd frame of the wrong size, a wrong escape count). The host
+copy of the native bytes (:attr:`OnDevice.host`) holds only the chunks decoded on the host; the ranges of
+the planes chunks (:attr:`OnDevice.device_only`) are filled on the host only on demand
+(:func:`checkpointd.restore.device_image.ensure_host`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
+from checkpointd.codecs.crc import crc32
+from checkpointd.codecs.plane_kernels import ESCAPE, NIBBLES
+from checkpointd.codecs.planes import (
+    KIND_PLANES,
+    KIND_RAW,
+    MODE_NIBBLES,
+    MODE_RAW,
+    ChunkLayout,
+    read_chunk_layout,
+)
+from checkpointd.codecs.zstd_frames import copy_into, zstd_decompress_into
+from checkpointd.errors import CorruptCheckpointError
+
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LOW_BITS = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
+
+
+@dataclass
+class OnDevice:
+    """A decoded file: its native bytes on the device, and on the host outside ``device_only``."""
+
+    host: torch.Tensor
+    data: torch.Tensor
+    device_only: list[tuple[int, int]] = field(default_factory=list)
+    """Native byte ranges ``[start, stop)`` whose host bytes were not written (merged on the device only)."""
+
+
+@dataclass
+class _Chunk:
+    index: int
+    frame: int
+    native: tuple[int, int]
+    layout: ChunkLayout
+    decoded: list[tuple[int, int, int, int]]
+    """Per plane: ``(start, stop)`` of its host-decoded bytes in the upload buffer (empty: stored raw), and
+    for a nibble plane its base and escape count (else zeros)."""
+
+    def group(self) -> tuple:
+        """Chunks of one group are merged together: the same element size, count and plane modes."""
+        lay = self.layout
+        return lay.itemsize, lay.count, lay.rotated, tuple(mode for mode, _, _ in lay.planes)
+
+
+def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
+                     upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+                     check_chunks: bool = True) -> OnDevice:
+    """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
+
+    ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
+    copies host bytes to the device, ``dst.copy_(src)`` for every ``(dst, src)`` (the default). ``check_chunks=False`` skips the
+    chunks' own CRC-32s, for a file whose every byte was just checked against its manifest (they cover
+    the same bytes: they exist for reads of one tensor, which check no file checksum).
+
+    Raises:
+        CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
+    """
+    device = stored_data.device
+    if stored_data.numel() != stored.nbytes:
+        raise ValueError(f"the device copy has {stored_data.numel()} bytes, the file {stored.nbytes}")
+    frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
+    chunks, decoded_nbytes = _plan(stored, frames, natives)
+    host = torch.empty(natives[-1], dtype=torch.uint8)
+    scratch = torch.empty(decoded_nbytes, dtype=torch.uint8)
+    host_np, scratch_np = host.numpy(), scratch.numpy()
+    tasks = [executor.submit(_host_work, stored, c, host_np, scratch_np, check_chunks) for c in chunks]
+    errors = [t.exception() for t in tasks]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    data = torch.empty(natives[-1], dtype=torch.uint8, device=device)
+    scratch_data = torch.empty(decoded_nbytes, dtype=torch.uint8, device=device)
+    pairs = [(scratch_data, scratch)] if decoded_nbytes else []
+    groups: dict[tuple, list[_Chunk]] = {}
+    device_only: list[tuple[int, int]] = []
+    for c in chunks:
+        a, b = c.native
+        if c.layout.kind == KIND_PLANES:
+            groups.setdefault(c.group(), []).append(c)
+            device_only.append((a, b))
+        else:
+            pairs.append((data[a:b], host[a:b]))
+    (upload or _copy_pairs)(pairs)
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for group in groups.values():
+        _merge(group, stored_data, scratch_data, data, bad)
+    if bool(bad.item()):
+        raise CorruptCheckpointError("a nibble plane of the 'zstd-planes' file has a different number of escape "
+                                     "codes than its header says; the file is corrupt, restore another step")
+    return OnDevice(host, data, _joined(device_only))
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _plan(stored: memoryview, frames: list[int], natives: list[int]) -> tuple[list[_Chunk], int]:
+    """Every chunk's checked layout and where its host-decoded planes go in the upload buffer."""
+    chunks, cursor = [], 0
+    for i in range(len(frames) - 1):
+        native = (natives[i], natives[i + 1])
+        if native[0] == native[1]:
+            continue  # the banner (and any empty frame): no native bytes
+        frame = stored[frames[i] : frames[i + 1]]
+        try:
+            layout = read_chunk_layout(frame, native[1] - native[0])
+        except CorruptCheckpointError as exc:
+            raise _in_chunk(exc, i, frames[i]) from exc
+        decoded = []
+        for mode, start, _stop in layout.planes:
+            size, base, escaped = 0, 0, 0
+            if mode == MODE_NIBBLES:
+                base, escaped = NIBBLES.unpack_from(frame, start)
+                size = (layout.count + 1) // 2 + escaped
+            elif mode != MODE_RAW:
+                size = layout.count
+            decoded.append((cursor, cursor + size, base, escaped))
+            cursor += size
+        chunks.append(_Chunk(i, frames[i], native, layout, decoded))
+    return chunks, cursor
+
+
+def _host_work(stored: memoryview, c: _Chunk, host: np.ndarray, scratch: np.ndarray, check_crc: bool) -> None:
+    """A pool task: check the chunk's CRC, decode its zstd frames (planes into ``scratch``, else into ``host``)."""
+    lay = c.layout
+    frame = stored[c.frame : c.frame + lay.body[1]]
+    try:
+        if check_crc and lay.crc_range is not None and crc32(frame[lay.crc_range[0] : lay.crc_range[1]]) != lay.crc:
+            raise CorruptCheckpointError(f"CRC-32 of the stored bytes differs from the chunk's ({lay.crc:#010x})")
+        a, b = c.native
+        if lay.kind == KIND_RAW:
+            copy_into(host[a:b], frame[lay.body[0] : lay.body[1]])
+        elif lay.kind != KIND_PLANES:
+            zstd_decompress_into(frame[lay.body[0] : lay.body[1]], host[a:b])
+        for (mode, start, stop), (lo, hi, _, _) in zip(lay.planes, c.decoded):
+            if mode == MODE_NIBBLES:
+                zstd_decompress_into(frame[start + NIBBLES.size : stop], scratch[lo:hi])
+            elif mode != MODE_RAW:
+                zstd_decompress_into(frame[start:stop], scratch[lo:hi])
+    except CorruptCheckpointError as exc:
+        raise _in_chunk(exc, c.index, c.frame) from exc
+
+
+def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> None:
+    """The native bytes of a group of planes chunks (one :meth:`_Chunk.group`) into ``out``, on the device:
+    a fixed number of device operations for the whole group, one copy per run of adjacent chunks."""
+    lay = group[0].layout
+    n, size = lay.count, lay.itemsize
+    if n:
+        planes = []
+        for j, (mode, _, _) in enumerate(lay.planes):
+            if mode == MODE_RAW:
+                planes.append(_rows(stored, [(c.frame + c.layout.planes[j][1], c.frame + c.layout.planes[j][2])
+                                             for c in group]))
+            elif mode == MODE_NIBBLES:
+                planes.append(_unpack_nibbles(scratch, [c.decoded[j] for c in group], n, bad))
+            else:
+                planes.append(_rows(scratch, [c.decoded[j][:2] for c in group]))
+        merged = torch.stack(planes, dim=2)  # (chunks, n, itemsize): element bytes, least significant first
+        if lay.rotated:
+            wide = merged.view(_WIDE[size])
+            merged = (((wide >> 1) & _LOW_BITS[size]) | (wide << (8 * size - 1))).view(torch.uint8)
+        merged = merged.reshape(len(group), n * size)
+        first = 0
+        for i in range(1, len(group) + 1):  # runs of chunks whose native bytes follow each other
+            if i == len(group) or group[i].native[0] != group[i - 1].native[0] + n * size or group[i - 1].native[1] \
+                    != group[i - 1].native[0] + n * size:
+                a = group[first].native[0]
+                out[a : a + (i - first) * n * size].copy_(merged[first:i].reshape(-1))
+                first = i
+    for c in group:
+        t0, t1 = c.layout.tail
+        if t1 > t0:
+            a = c.native[0] + n * size
+            out[a : c.native[1]].copy_(stored[c.frame + t0 : c.frame + t1])
+
+
+def _rows(source: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``source``'s spans of one length as the rows of one tensor."""
+    if len(spans) == 1:
+        return source[spans[0][0] : spans[0][1]].unsqueeze(0)
+    return torch.stack([source[a:b] for a, b in spans])
+
+
+def _unpack_nibbles(scratch: torch.Tensor, decoded: list[tuple[int, int, int, int]], n: int,
+                    bad: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`checkpointd.codecs.plane_kernels.pack_nibbles` for a group of planes on the device.
+
+    ``decoded``: per plane its ``(start, stop, base, escapes)`` in ``scratch`` (codes, then escapes).
+    Escapes go back in element order; a plane whose number of escape codes differs from its header
+    sets ``bad``. With no escapes claimed, code 15 is a value like the others (as the host decoder has it).
+    """
+    half = (n + 1) // 2
+    packed = _rows(scratch, [(lo, lo + half) for lo, _, _, _ in decoded])
+    codes = torch.cat([packed >> 4, packed & 15], dim=1)[:, :n]
+    device = scratch.device
+    bases = torch.tensor([base for _, _, base, _ in decoded], dtype=torch.uint8).to(device, non_blocking=True)
+    plane = codes + bases[:, None]
+    counts = [escaped for _, _, _, escaped in decoded]
+    if not any(counts):
+        return plane
+    claimed = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    mask = (codes == ESCAPE) & (claimed > 0)[:, None]
+    bad |= (mask.sum(dim=1) != claimed).any()
+    escapes = torch.cat([scratch[lo + half : hi] for lo, hi, _, e in decoded if e])
+    order = torch.cumsum(mask.reshape(-1), 0).sub_(1).clamp_(0, escapes.numel() - 1).reshape(mask.shape)
+    return torch.where(mask, escapes[order], plane)
+
+
+def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _in_chunk(exc: CorruptCheckpointError, index: int, at: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"'zstd-planes' chunk {index} (file byte {at}): {exc}; the file is corrupt, "
+                                  f"restore another step")
+
+
+__all__ = ["OnDevice", "decode_on_device"]

@@ -1,0 +1,147 @@
+"""The device decoder of ``zstd-planes`` files (``codecs.planes_device``), run on the CPU as its "device".
+
+It must give the host decoder's bytes for every chunk kind and plane mode, refuse what the host decoder
+refuses, and leave the host copy of its planes chunks unwritten (``device_only``). The CUDA run of the
+same code: ``tests/gpu/test_planes_on_device_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from checkpointd.codecs import container, plane_kernels, zstd_frames
+from checkpointd.codecs import planes as kernels
+from checkpointd.codecs.compress import decode_bytes
+from checkpointd.codecs.planes_device import decode_on_device
+from checkpointd.errors import CorruptCheckpointError
+
+from planes_files import planes_file
+
+POOL = ThreadPoolExecutor(2)
+
+
+def _decode(stored: bytes):
+    return decode_on_device(memoryview(stored), torch.frombuffer(bytearray(stored), dtype=torch.uint8), POOL)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
+def test_device_decoding_gives_the_host_decoders_bytes(dtype) -> None:
+    native, stored = planes_file(dtype, 700_001)
+    assert bytes(decode_bytes("zstd-planes", stored)) == native
+    out = _decode(stored)
+    assert torch.equal(out.data, _as_tensor(native))
+    assert out.device_only and all(0 <= a < b <= len(native) for a, b in out.device_only)
+    written = torch.ones(len(native), dtype=torch.bool)
+    for a, b in out.device_only:
+        written[a:b] = False
+    assert torch.equal(out.host[written], _as_tensor(native)[written])  # the host has every other chunk
+    assert not written[len(b"PK-header-like" * 7) + 10]  # the float record is a planes chunk: device only
+
+
+def _file(frames: list[tuple[bytes, int]]) -> bytes:
+    """A planes container of ``(frame, native size)``, with its seek table."""
+    table = container.seek_table([(len(f), n) for f, n in frames], container.PLANES_FOOTER_MAGIC)
+    return b"".join(f for f, _ in frames) + table
+
+
+def _planes_frame(itemsize: int, stored: list[tuple[int, bytes]], native: int, crc: int | None = None) -> bytes:
+    blobs = b"".join(blob for _, blob in stored)
+    table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
+    flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
+    header = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native,
+                                        zlib.crc32(blobs) if crc is None else crc)
+    body = header + table + blobs
+    return container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+
+
+def _nibble_file(claimed: int, escapes: int) -> tuple[bytes, bytes]:
+    """2-byte elements whose high plane is nibble-coded with ``escapes`` escapes, ``claimed`` in its header."""
+    count, base = 4099, 100
+    rng = np.random.default_rng(escapes)
+    lo = rng.integers(0, 256, count, dtype=np.uint8)
+    hi = (base + rng.integers(0, 15, count)).astype(np.uint8)
+    hi[rng.choice(count, escapes, replace=False)] = 7
+    codes = np.where(hi == 7, 15, hi - base).astype(np.uint8)
+    half = (count + 1) // 2
+    padded = np.concatenate([codes, np.zeros(2 * half - count, np.uint8)])
+    values = np.resize(hi[codes == 15] if escapes else np.array([7], np.uint8), claimed)
+    packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
+    nibbles = plane_kernels.NIBBLES.pack(base, claimed) + zstd_frames.plane_compressor().compress(packed)
+    native = np.zeros(2 * count, dtype=np.uint8)
+    plane_kernels.from_planes([lo, hi], native)
+    frame = _planes_frame(2, [(kernels.MODE_RAW, lo.tobytes()), (kernels.MODE_NIBBLES, nibbles)], 2 * count)
+    return native.tobytes(), _file([(frame, 2 * count)])
+
+
+@pytest.mark.parametrize("escapes", [0, 1, 40])
+def test_nibble_escapes_are_put_back_in_order(escapes) -> None:
+    native, stored = _nibble_file(escapes, escapes)
+    assert bytes(decode_bytes("zstd-planes", stored)) == native
+    assert torch.equal(_decode(stored).data, _as_tensor(native))
+
+
+@pytest.mark.parametrize("escapes, claimed", [(5, 4), (5, 6), (1, 2)])
+def test_a_wrong_escape_count_is_corruption_on_both_decoders(escapes, claimed) -> None:
+    _, stored = _nibble_file(claimed, escapes)
+    with pytest.raises(CorruptCheckpointError, match="escape"):
+        decode_bytes("zstd-planes", stored)
+    with pytest.raises(CorruptCheckpointError, match="escape"):
+        _decode(stored)
+
+
+def test_more_escapes_than_values_are_refused_before_any_decoding() -> None:
+    count = 64
+    nibbles = plane_kernels.NIBBLES.pack(0, count + 1) + zstd_frames.plane_compressor().compress(bytes(count))
+    frame = _planes_frame(2, [(kernels.MODE_RAW, bytes(count)), (kernels.MODE_NIBBLES, nibbles)], 2 * count)
+    with pytest.raises(CorruptCheckpointError, match="escapes"):
+        _decode(_file([(frame, 2 * count)]))
+
+
+def test_a_plane_table_past_the_chunk_and_a_raw_plane_of_the_wrong_size_are_refused() -> None:
+    count = 256
+    frame = bytearray(_planes_frame(2, [(kernels.MODE_RAW, bytes(count)), (kernels.MODE_RAW, bytes(count))], 2 * count))
+    at = container.FRAME_HEADER.size + kernels._CHUNK_HEADER.size + kernels._PLANE.size  # plane 1's entry
+    frame[at : at + kernels._PLANE.size] = kernels._PLANE.pack(kernels.MODE_ZSTD, 1 << 30)
+    with pytest.raises(CorruptCheckpointError, match="bad plane 1"):
+        _decode(_file([(bytes(frame), 2 * count)]))
+    short = _planes_frame(2, [(kernels.MODE_RAW, bytes(count - 1)), (kernels.MODE_RAW, bytes(count + 1))], 2 * count)
+    with pytest.raises(CorruptCheckpointError, match="bad plane 0"):
+        _decode(_file([(short, 2 * count)]))
+
+
+def test_a_changed_stored_byte_fails_the_chunk_crc_unless_the_file_was_checked_whole() -> None:
+    native, stored = planes_file(torch.float32, 100_000)
+    broken = bytearray(stored)
+    broken[len(b"PK-header-like") + 40_000] ^= 0x10  # inside the first float record's raw (mantissa) planes
+    for decode in (lambda s: decode_bytes("zstd-planes", s), _decode):
+        with pytest.raises(CorruptCheckpointError, match="CRC"):
+            decode(bytes(broken))
+    # a restore checks the file's checksum first (every byte): the chunks' CRCs are not computed again
+    unchecked = decode_on_device(memoryview(bytes(broken)), _as_tensor(bytes(broken)), POOL, check_chunks=False)
+    assert not torch.equal(unchecked.data, _as_tensor(native))  # the changed byte, decoded as stored
+    assert (unchecked.data != _as_tensor(native)).sum() == 1
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_a_zstd_plane_of_the_wrong_size_is_corrupt(extra) -> None:
+    count = 1000
+    plane = bytes(range(256)) * 4
+    wrong = zstd_frames.plane_compressor().compress(plane[: count + extra])
+    frame = _planes_frame(2, [(kernels.MODE_RAW, plane[:count]), (kernels.MODE_ZSTD, wrong)], 2 * count)
+    with pytest.raises(CorruptCheckpointError, match="decodes to"):
+        _decode(_file([(frame, 2 * count)]))
+
+
+def test_a_truncated_file_has_no_seek_table() -> None:
+    _, stored = planes_file(torch.bfloat16, 50_000)
+    with pytest.raises(CorruptCheckpointError, match="seek table"):
+        _decode(stored[:-3])

@@ -1,0 +1,208 @@
+"""A restore of ``zstd-planes`` files decoded on the device: the host copy of their float tensors is written
+only when something reads it on the host (``device_image.ensure_host``), never read unwritten.
+
+On the CPU the "device" is the CPU (as in ``test_device_verify.py``), and the host bytes that the device
+decoder leaves unwritten are poisoned, so that any read of them before ``ensure_host`` shows in the restored
+values. The CUDA run: ``tests/gpu/test_planes_on_device_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from checkpointd import CheckpointManager
+from checkpointd.restore import apply, bulkcopy, device_image, fastload
+from checkpointd.restore import step as restore
+
+CPU = torch.device("cpu")
+POISON = 0xA5
+
+
+@pytest.fixture
+def on_cpu_device(monkeypatch):
+    """Restores verify and decode on the CPU "device"; the unwritten host bytes are poisoned."""
+    monkeypatch.setattr(fastload, "use_mmap", lambda path, size: size > 0)
+    monkeypatch.setenv("CHECKPOINTD_RESTORE_VERIFY", "device")
+    monkeypatch.setattr(device_image, "MIN_BYTES", 1)
+    monkeypatch.setattr(device_image, "target_device", lambda objs: CPU)
+    real = device_image.decode_on_device
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for lo, hi in out.device_only:
+            out.host[lo:hi] = POISON
+        return out
+
+    monkeypatch.setattr(device_image, "decode_on_device", poisoned)
+
+
+@pytest.fixture
+def bulk_on_cpu(monkeypatch):
+    """CPU -> CPU copies take the bulk path, so that they come from the images as CUDA copies do."""
+    monkeypatch.setattr(apply, "PLACE_ON_CPU", True)
+    plain = bulkcopy.raw_copyable
+
+    def raw_copyable(dst, src):
+        return plain(dst, src) or (
+            dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.stride() == src.stride() and type(dst) in (torch.Tensor, nn.Parameter)
+            and type(src) in (torch.Tensor, nn.Parameter) and bulkcopy.is_dense(dst) and bulkcopy.is_dense(src)
+            and dst.numel() > 0)
+
+    def device_to_device(device, items):
+        for dst, src in items:
+            dst.copy_(src)
+
+    monkeypatch.setattr(bulkcopy, "raw_copyable", raw_copyable)
+    monkeypatch.setattr(bulkcopy, "device_to_device", device_to_device)
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 200))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _saved(tmp_path, objects):
+    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
+        mgr.save(1)
+        mgr.wait()
+    return {k: _snapshot(v) for k, v in objects.items()}
+
+
+def _snapshot(obj):
+    if isinstance(obj, torch.optim.Optimizer):
+        return [{k: v.clone() for k, v in obj.state[p].items()} for g in obj.param_groups for p in g["params"]]
+    return {k: v.clone() for k, v in obj.state_dict().items()}
+
+
+def _scramble(objects) -> None:
+    with torch.no_grad():
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                for st in obj.state.values():
+                    for v in st.values():
+                        v.fill_(7)
+            else:
+                for t in obj.state_dict().values():
+                    t.fill_(3)
+
+
+def _assert_equal(expected, objects) -> None:
+    for name, obj in objects.items():
+        got, want = _snapshot(obj), expected[name]
+        if isinstance(got, dict):
+            assert got.keys() == want.keys()
+            got, want = list(got.values()), list(want.values())
+        for a, b in zip(got, want):
+            if isinstance(a, dict):
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[k], b[k]) for k in a), name
+            else:
+                assert torch.equal(a, b), name
+
+
+def _restore(tmp_path, objects) -> dict[str, int]:
+    before = dict(device_image.stats)
+    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
+        assert mgr.restore_latest() == 1
+    return {k: device_image.stats[k] - before[k] for k in before}
+
+
+def test_copies_from_the_device_never_read_the_unwritten_host_bytes(tmp_path, on_cpu_device, bulk_on_cpu) -> None:
+    model, opt = _trained()
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    _scramble(objects)
+    got = _restore(tmp_path, objects)
+    assert got["decoded"] >= 2 and got["failed"] == 0
+    assert got["copies"] >= 8  # weights, biases, both moments: from the decoded images
+    assert got["host_filled_bytes"] == 0
+    _assert_equal(expected, objects)
+
+
+def test_host_copies_write_the_host_bytes_they_read_first(tmp_path, on_cpu_device) -> None:
+    model, opt = _trained()
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    _scramble(objects)
+    got = _restore(tmp_path, objects)  # CPU destinations: plain copies from the host bytes
+    _assert_equal(expected, objects)
+    assert got["decoded"] >= 2 and got["copies"] == 0
+    assert got["host_filled_bytes"] > 4 * 256 * 384  # at least the first weight and its moments
+
+
+class _OwnLoader(nn.Linear):
+    """A module whose ``load_state_dict`` is its own: restored by the per-entry path, from host values."""
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        with torch.no_grad():
+            self.weight.copy_(state_dict["weight"])
+            self.bias.copy_(state_dict["bias"])
+        return None
+
+
+def test_the_per_entry_path_reads_written_host_bytes(tmp_path, on_cpu_device, bulk_on_cpu) -> None:
+    torch.manual_seed(3)
+    objects = {"own": _OwnLoader(300, 200), "plain": nn.Linear(300, 200)}
+    expected = _saved(tmp_path, objects)
+    _scramble(objects)
+    got = _restore(tmp_path, objects)
+    _assert_equal(expected, objects)
+    assert got["decoded"] >= 1 and got["host_filled_bytes"] >= 300 * 200 * 4
+
+
+def test_an_apply_out_of_memory_runs_again_from_written_host_bytes(tmp_path, on_cpu_device, bulk_on_cpu,
+                                                                  monkeypatch) -> None:
+    model, opt = _trained(1)
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    _scramble(objects)
+    real, calls = restore.apply_entries, []
+
+    def once_out_of_memory(entries, values):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        real(entries, values)
+
+    monkeypatch.setattr(restore, "apply_entries", once_out_of_memory)
+    got = _restore(tmp_path, objects)
+    _assert_equal(expected, objects)
+    assert len(calls) == 2 and got["host_filled_bytes"] > 0 and got["copies"] == 0
+
+
+def test_a_device_failure_decodes_on_the_host(tmp_path, on_cpu_device, monkeypatch) -> None:
+    model, opt = _trained(2)
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    _scramble(objects)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device decode failed (test)")
+
+    monkeypatch.setattr(device_image, "decode_on_device", broken)
+    got = _restore(tmp_path, objects)
+    assert got["decoded"] == 0 and got["failed"] >= 1
+    _assert_equal(expected, objects)
+
+
+def test_a_tree_ensure_host_cannot_follow_is_written_whole_at_load(tmp_path, on_cpu_device, monkeypatch) -> None:
+    torch.manual_seed(4)
+    weights = nn.Linear(300, 200)
+    expected = _saved(tmp_path, {"w": weights})
+    monkeypatch.setattr(device_image, "follows", lambda obj: False)
+    files_filled = []
+    real_fill = device_image.fill_host
+    monkeypatch.setattr(device_image, "fill_host", lambda im: files_filled.append(im.host.numel()) or real_fill(im))
+    _scramble({"w": weights})
+    _restore(tmp_path, {"w": weights})
+    assert files_filled, "the host was not written before the loaded tree was handed on"
+    _assert_equal(expected, {"w": weights})
