@@ -56,7 +56,7 @@ import common as C  # noqa: E402
 WINDOW = 21  # the save step + 20 steps after it
 
 ALL_METHODS = ["none", "torch_save", "dcp_async", "dcp_async_pinned", "checkpointd", "checkpointd_zstd", "checkpointd_planes",
-               "checkpointd_device", "checkpointd_host25", "checkpointd_threads", "io_only",
+               "checkpointd_device", "checkpointd_device_planes", "checkpointd_host25", "checkpointd_threads", "io_only",
                "io_only_reuse", "copy_only", "clone_only", "lightning_async", "checkpointd_lightning"]
 DEFAULT_METHODS = ["none", "checkpointd", "checkpointd_zstd", "checkpointd_device", "checkpointd_host25",
                    "copy_only", "dcp_async_pinned", "dcp_async", "torch_save", "lightning_async",
@@ -263,6 +263,13 @@ class CheckpointdDevice(Checkpointd):
         kw, why = C.device_staging_kwargs(self.b.device_kwargs)
         self.notes.append(why)
         return kw
+
+
+class CheckpointdDevicePlanes(CheckpointdDevice):
+    """Device staging with ``compression="zstd-planes"``: a compressed save's stall beside ``checkpointd_device``."""
+
+    name = "checkpointd_device_planes"
+    compression = "zstd-planes"
 
 
 class CheckpointdHost25(Checkpointd):
@@ -636,7 +643,7 @@ class CloneOnly(CopyOnly):
 
 
 SAVERS = {c.name: c for c in [Saver, TorchSave, DcpAsync, DcpAsyncPinned, Checkpointd, CheckpointdZstd, CheckpointdPlanes,
-                              CheckpointdDevice, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly,
+                              CheckpointdDevice, CheckpointdDevicePlanes, CheckpointdHost25, CheckpointdThreads, IoOnly, IoOnlyReuse, CopyOnly,
                               CloneOnly, LightningAsync, CheckpointdLightning]}
 
 

@@ -24,6 +24,7 @@ STALL_ROWS = (
     ("checkpointd_device", "the same with device staging (`StagingOptions(device_budget_bytes=...)`)"),
     ("checkpointd_zstd", "the same with `compression=\"zstd\"`"),
     ("checkpointd_planes", "the same with `compression=\"zstd-planes\"` (`\"auto\"`'s choice on object stores)"),
+    ("checkpointd_device_planes", "device staging with `compression=\"zstd-planes\"`"),
     ("checkpointd_host25", "the same with a host staging budget of 25 % of the state (`StagingOptions(host_budget_bytes=...)`)"),
     ("copy_only", "floor: the device-to-host copy alone, nothing written"),
     ("checkpointd_lightning", "Lightning's checkpoint dict through `CheckpointdIO` (`checkpointd.integrations.lightning`)"),

@@ -17,7 +17,7 @@ from checkpointd.codecs import plane_kernels as codecs_plane_kernels
 from checkpointd.codecs import planes as codecs_planes
 from checkpointd.codecs import zstd_frames
 from checkpointd.format import serialize
-from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec
+from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec, plane_itemsize
 from checkpointd.errors import ConfigError, CorruptCheckpointError
 
 SMALL_CHUNK = 64 << 10
@@ -228,7 +228,7 @@ def test_damaged_input_raises_corrupt(codec, damage: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_a_damaged_compressed_plane_fails_its_crc_before_zstd_reads_it(dtype, monkeypatch) -> None:
     view = as_view(weights(dtype, 1 << 16))
-    frame = bytearray(b"".join(bytes(memoryview(p)) for p in codecs_planes.encode_chunk(view, dtype, 1)))
+    frame = bytearray(b"".join(bytes(memoryview(p)) for p in codecs_planes.encode_chunk(view, plane_itemsize(dtype), 1)))
     out = np.empty(view.nbytes, dtype=np.uint8)
     codecs_planes.decode_chunk_into(memoryview(bytes(frame)), out)
     assert out.tobytes() == bytes(view)
@@ -391,10 +391,10 @@ def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtyp
     values = torch.randn(10_007, generator=torch.Generator().manual_seed(5)) * 0.02
     values[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
     raw = values.to(dtype).view(torch.uint8).numpy().tobytes() + b"\x11"
-    itemsize = kernels.plane_itemsize(dtype)
+    itemsize = plane_itemsize(dtype)
     expected = _reference_planes(raw[: len(raw) // itemsize * itemsize], itemsize)
     assert [bytes(p) for p in codecs_plane_kernels.to_planes(memoryview(raw[: len(raw) // itemsize * itemsize]), itemsize)] == expected
-    frame = b"".join(bytes(memoryview(p).cast("B")) for p in kernels.encode_chunk(memoryview(raw), dtype, 1))
+    frame = b"".join(bytes(memoryview(p).cast("B")) for p in kernels.encode_chunk(memoryview(raw), plane_itemsize(dtype), 1))
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw

@@ -15,6 +15,7 @@ import torch
 
 from checkpointd import options
 from checkpointd.codecs import plane_kernels
+from checkpointd.codecs.compress import plane_itemsize
 from checkpointd.codecs import planes as kernels
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.native import loader
@@ -60,12 +61,12 @@ def _values(dtype: torch.dtype, numel: int, seed: int, escapes_every: int) -> by
 def test_native_and_numpy_encode_the_same_bytes_and_decode_each_other(lib, dtype, numel, escapes_every, monkeypatch) -> None:
     raw = _values(dtype, numel, numel + escapes_every, escapes_every)
     view = memoryview(raw)
-    native_frame = _frame(kernels.encode_chunk(view, dtype, 1))
+    native_frame = _frame(kernels.encode_chunk(view, plane_itemsize(dtype), 1))
     native_out = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(native_frame, native_out)
     with monkeypatch.context() as m:
         _numpy_only(m)
-        numpy_frame = _frame(kernels.encode_chunk(view, dtype, 1))
+        numpy_frame = _frame(kernels.encode_chunk(view, plane_itemsize(dtype), 1))
         numpy_out = np.zeros(len(raw), dtype=np.uint8)
         kernels.decode_chunk_into(native_frame, numpy_out)  # NumPy decodes what native wrote
     assert bytes(native_frame) == bytes(numpy_frame)
@@ -194,7 +195,7 @@ def test_without_native_kernels_the_numpy_ones_run(setting, tmp_path, monkeypatc
             assert "build_ext --inplace" in planes_native.why_not and str(tmp_path) in planes_native.why_not
         elif setting == "another ABI":
             assert f"expected {planes_native.ABI + 1}" in planes_native.why_not
-        frame = _frame(kernels.encode_chunk(memoryview(raw), torch.bfloat16, 1))
+        frame = _frame(kernels.encode_chunk(memoryview(raw), 2, 1))
         out = np.zeros(len(raw), dtype=np.uint8)
         kernels.decode_chunk_into(frame, out)
         assert out.tobytes() == raw
@@ -204,7 +205,7 @@ def test_without_native_kernels_the_numpy_ones_run(setting, tmp_path, monkeypatc
 
 def test_damaged_planes_chunk_is_refused_by_the_native_decoder(lib) -> None:
     raw = _values(torch.bfloat16, 100_000, 11, 700)
-    frame = bytearray(_frame(kernels.encode_chunk(memoryview(raw), torch.bfloat16, 1)))
+    frame = bytearray(_frame(kernels.encode_chunk(memoryview(raw), 2, 1)))
     out = np.zeros(len(raw), dtype=np.uint8)
     for offset in (40, len(frame) // 2, len(frame) - 3):
         broken = bytearray(frame)

@@ -61,17 +61,18 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 import zstandard as zstd
 
-from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, SEEKABLE_FOOTER_MAGIC, seek_table
-from checkpointd.codecs.planes import decode_chunk_into, encode_chunk
+from checkpointd.codecs.chunked import DIRECT_MIN_BYTES, ChunkedEncoder, WriteSink, write_all
+from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, SEEKABLE_FOOTER_MAGIC
+from checkpointd.codecs.planes import banner_frame, decode_chunk_into, encode_chunk
+from checkpointd.codecs.plane_kernels import UINT_BY_ITEMSIZE
 from checkpointd.codecs.reader import DecodedReader
 from checkpointd.codecs.zstd_frames import compressor, zstd_decompress_into
 from checkpointd.errors import ConfigError, CorruptCheckpointError
@@ -87,25 +88,8 @@ PLANES_CHUNK_BYTES = 16 << 20
 4 MiB chunks (decoding: the same, 3.7-5.4 GB/s). A one-tensor partial read decodes at most one
 chunk more on each side."""
 
-DIRECT_MIN_BYTES = 64 << 10
-"""Writes at least this big are chunked zero-copy; smaller ones are copied into a shared chunk."""
-
 _MAX_CHUNK_BYTES = 1 << 30
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard exports only the maximum
-
-PLANES_BANNER = (
-    b"checkpointd: this file was compressed with codec 'zstd-planes', which the zstd tool cannot\n"
-    b"decode (its data sits in skippable frames). Restore native files with:\n"
-    b"    checkpointd export STEP_DIR OUT_DIR\n"
-)
-"""What ``zstd -d`` prints into the output of a planes file: loud, and says what to do."""
-
-
-class WriteSink(Protocol):
-    """Where encoded bytes go (a checksumming file wrapper in the writer)."""
-
-    def write(self, data: memoryview, /) -> Any: ...
-
 
 class Encoder(Protocol):
     """Streaming side of a codec; see :meth:`Codec.encoder`."""
@@ -155,7 +139,7 @@ class _PassthroughEncoder:
 
     def write(self, data: Any, /) -> int:
         view = memoryview(data).cast("B")
-        _write_all(self._out, view)
+        write_all(self._out, view)
         return view.nbytes
 
     def close(self) -> None:
@@ -233,7 +217,8 @@ class ZstdCodec:
         Buffers of ``DIRECT_MIN_BYTES`` or more are compressed in place (zero-copy): the caller keeps
         them unchanged until ``close()`` returns, as staged checkpoint buffers are.
         """
-        return _ChunkedEncoder(self, out)
+        return ChunkedEncoder(self._encode, out, chunk_bytes=self.chunk_bytes, executor=self.executor,
+                              max_inflight=self.max_inflight, footer_magic=self.footer_magic, preamble=self._preamble())
 
     def open_decoded(self, raw: ReadStream) -> ReadStream:
         """A seekable stream of the native bytes of ``raw``; closing it closes ``raw``.
@@ -271,13 +256,22 @@ class ZstdPlanesCodec(ZstdCodec):
         super().__init__(level, chunk_bytes=chunk_bytes, **options)
 
     def _preamble(self) -> list[bytes]:
-        return [_banner_frame()]
+        return [banner_frame()]
 
     def _encode(self, view: memoryview, dtype: torch.dtype | None) -> list[Any]:
-        return encode_chunk(view, dtype, self.level)
+        return encode_chunk(view, plane_itemsize(dtype), self.level)
 
     def decode_into(self, frame: memoryview, out: np.ndarray) -> None:
         decode_chunk_into(frame, out)
+
+
+def plane_itemsize(dtype: torch.dtype | None) -> int:
+    """Element size to cut planes at, or 0 for data that planes do not help (ints, bool, float8)."""
+    if dtype is None:
+        return 0
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in UINT_BY_ITEMSIZE else 0
 
 
 _CODECS: dict[str, Callable[..., Codec]] = {"none": NoCodec, "zstd": ZstdCodec, "zstd-planes": ZstdPlanesCodec}
@@ -318,105 +312,6 @@ def decode_bytes(name: str, data: Any) -> bytes | bytearray:
     return out
 
 
-# -- encoding ---------------------------------------------------------------------------------------
-
-
-class _ChunkedEncoder:
-    """Cuts a write stream into chunks, compresses them on the pool, writes frames in order.
-
-    Called from one thread (the file's writer task). Small writes (zip headers, small tensors) are
-    copied into a pending chunk; large ones are cut zero-copy at element-aligned boundaries and carry
-    the current ``dtype_hint``. At most ``codec.max_inflight`` chunks wait at once.
-    """
-
-    def __init__(self, codec: ZstdCodec, out: WriteSink) -> None:
-        self._codec = codec
-        self._out = out
-        self._executor = codec.executor
-        self._inflight: deque[tuple[Future[list[Any]], int]] = deque()
-        self._pending = bytearray()
-        self._entries: list[tuple[int, int]] = []
-        self._closed = False
-        self.dtype_hint: torch.dtype | None = None
-        for frame in codec._preamble():
-            self._emit([frame], 0)
-
-    def write(self, data: Any, /) -> int:
-        if self._closed:
-            raise ValueError("write to a closed encoder")
-        view = memoryview(data).cast("B")
-        if view.nbytes < DIRECT_MIN_BYTES:
-            self._pending += view
-            if len(self._pending) >= self._codec.chunk_bytes:
-                self._flush_pending()
-            return view.nbytes
-        self._flush_pending()
-        for piece in _split(view, self._codec.chunk_bytes):
-            self._submit(piece, self.dtype_hint)
-        return view.nbytes
-
-    def drain(self) -> None:
-        """Wait until no buffer passed to :meth:`write` is referenced any more (compressed and written).
-
-        For callers that reuse their buffers before ``close()`` (host-budget staging chunks).
-        """
-        while self._inflight:
-            self._drain_one()
-
-    def close(self) -> None:
-        """Write every remaining frame and the seek table; ``out`` stays open."""
-        if self._closed:
-            return
-        self._flush_pending()
-        while self._inflight:
-            self._drain_one()
-        self._closed = True
-        _write_all(self._out, memoryview(seek_table(self._entries, self._codec.footer_magic)))
-
-    def _flush_pending(self) -> None:
-        if self._pending:
-            chunk, self._pending = self._pending, bytearray()
-            self._submit(memoryview(chunk), None)
-
-    def _submit(self, piece: memoryview, dtype: torch.dtype | None) -> None:
-        future = self._executor.submit(self._codec._encode, piece, dtype)
-        self._inflight.append((future, piece.nbytes))
-        while self._inflight and (len(self._inflight) > self._codec.max_inflight or self._inflight[0][0].done()):
-            self._drain_one()
-
-    def _drain_one(self) -> None:
-        future, native_nbytes = self._inflight.popleft()
-        self._emit(future.result(), native_nbytes)
-
-    def _emit(self, parts: list[Any], native_nbytes: int) -> None:
-        frame_nbytes = 0
-        for part in parts:
-            view = memoryview(part).cast("B")
-            _write_all(self._out, view)
-            frame_nbytes += view.nbytes
-        self._entries.append((frame_nbytes, native_nbytes))
-
-
-def _split(view: memoryview, chunk_bytes: int) -> Iterable[memoryview]:
-    """Near-equal pieces of at most ~``chunk_bytes``, cut at multiples of 16 (any element size)."""
-    count = -(-view.nbytes // chunk_bytes)
-    step = -(-view.nbytes // (count * 16)) * 16 if count > 1 else view.nbytes
-    return (view[start : start + step] for start in range(0, view.nbytes, step))
-
-
-def _banner_frame() -> bytes:
-    return zstd.ZstdCompressor(level=1, write_checksum=True).compress(PLANES_BANNER)
-
-
-def _write_all(out: WriteSink, view: memoryview) -> None:
-    """``out.write`` until all of ``view`` is taken (raw files may take part of a buffer)."""
-    while view.nbytes:
-        written = out.write(view)
-        if written is None or written >= view.nbytes:
-            return
-        view = view[written:]
-
-
 __all__ = [
     "Codec",
     "Encoder",
@@ -427,4 +322,5 @@ __all__ = [
     "decode_bytes",
     "default_executor",
     "get_codec",
+    "plane_itemsize",
 ]

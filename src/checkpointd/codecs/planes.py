@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from checkpointd.codecs.container import FRAME_HEADER
 from checkpointd.codecs.crc import crc32
@@ -64,13 +63,17 @@ _FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes t
 # -- encoding -----------------------------------------------------------------------------------------
 
 
-def plane_itemsize(dtype: torch.dtype | None) -> int:
-    """Element size to cut planes at, or 0 for data that planes do not help (ints, bool, float8)."""
-    if dtype is None:
-        return 0
-    if dtype.is_complex:
-        dtype = dtype.to_real()
-    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in UINT_BY_ITEMSIZE else 0
+PLANES_BANNER = (
+    b"checkpointd: this file was compressed with codec 'zstd-planes', which the zstd tool cannot\n"
+    b"decode (its data sits in skippable frames). Restore native files with:\n"
+    b"    checkpointd export STEP_DIR OUT_DIR\n"
+)
+"""What ``zstd -d`` prints into the output of a planes file: loud, and says what to do."""
+
+
+def banner_frame() -> bytes:
+    """The frame that opens every planes file: :data:`PLANES_BANNER` as a regular zstd frame."""
+    return compressor(1).compress(PLANES_BANNER)
 
 
 def choose_planes(view: memoryview, itemsize: int, level: int) -> tuple[list[bool], list[int | None]] | None:
@@ -133,9 +136,9 @@ def encode_planes(
     return [header, *blobs, view[whole:]]
 
 
-def encode_chunk(view: memoryview, dtype: torch.dtype | None, level: int) -> list[Any]:
-    """The skippable frame (as parts) of one planes-container chunk: planes, zstd or raw."""
-    itemsize = plane_itemsize(dtype)
+def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:
+    """The skippable frame (as parts) of one planes-container chunk: planes (of ``itemsize``-byte float
+    elements; 0: not floats), zstd or raw."""
     parts: list[Any] | None = None
     choice = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
     if choice is not None:

@@ -23,6 +23,7 @@ from checkpointd import commit
 from checkpointd.format import layout
 from checkpointd.storage import ptlayout
 from checkpointd.codecs.checksum import ChecksumWriter, format_crc
+from checkpointd.codecs.compress import plane_itemsize
 from checkpointd.format.manifest import FileEntry
 from checkpointd.format.mdlus import write_mdlus
 from checkpointd.format.serialize import write_pt
@@ -228,6 +229,10 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
     rel = layout.join(step_dir, fjob.rel_path)
     if parallel_write_applies(store, codec, fjob):
         return _write_parallel(store, rel, codec, fjob, fast)
+    if encoded_write_applies(store, codec, fjob):
+        entry = _write_encoded(store, rel, codec, fjob)
+        if entry is not None:
+            return entry
     raw = store.open_write(rel, expected_bytes=fjob.plan.data_nbytes)  # compressed: smaller
     try:
         checked = ChecksumWriter(raw)
@@ -256,6 +261,46 @@ def parallel_write_applies(store: Store, codec: Any, fjob: FileJob) -> bool:
         and getattr(codec, "name", None) == "none"
         and fjob.format in ("pt", "mdlus")
     )
+
+
+def encoded_write_applies(store: Store, codec: Any, fjob: FileJob) -> bool:
+    """The persist process encodes the file (:func:`checkpointd.storage.ptlayout.write_encoded_file`): local
+    files of a chunked codec whose bytes are all staged when the file is written (no host budget)."""
+    return (
+        getattr(store, "is_local", False)
+        and getattr(codec, "name", None) in ("zstd", "zstd-planes")
+        and fjob.format in ("pt", "mdlus")
+        and fjob.records is None
+    )
+
+
+def _write_encoded(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEntry | None:
+    """Lay the zip out, have the persist process checksum, encode and write it; None where it cannot."""
+    image = fjob.image if fjob.image is not None else file_image(fjob)
+    fjob.image = None
+    hints = {key: plane_itemsize(dtype) for key, dtype in _record_dtypes(image, fjob.dtypes or {}).items()}
+    store.makedirs(rel.rsplit("/", 1)[0] if "/" in rel else "")
+    result = ptlayout.write_encoded_file(store.path(rel), image, codec.name, codec.level, codec.chunk_bytes, hints,
+                                         root=store.root, recycle_from=recyclebin.bin_for(store))
+    if result is None:
+        return None
+    fjob.recycled = result.recycled
+    return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
+                     format=fjob.format, rank=fjob.rank, raw_size=result.raw_nbytes)
+
+
+def _record_dtypes(image: ziplayout.ZipImage, dtypes: dict[str, Any]) -> dict[int, Any]:
+    """The dtype of each record's pieces (by ``id``), nested images included."""
+    out: dict[int, Any] = {}
+    for member in image.members:
+        if isinstance(member.content, ziplayout.ZipImage):
+            out.update(_record_dtypes(member.content, dtypes))
+            continue
+        name = member.name.decode("utf-8")
+        if "/data/" in name:
+            for piece in member.content:
+                out[id(piece)] = dtypes.get(name.rsplit("/data/", 1)[1])
+    return out
 
 
 def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: bool) -> FileEntry:

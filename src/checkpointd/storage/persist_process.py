@@ -167,6 +167,22 @@ class PersistProcess:
         """
         return self._submit(("scatter", pieces), fd)
 
+    def submit_crc(self, ranges: list[tuple[Any, int, int]]) -> Future[Any]:
+        """Start the CRC-32 of each ``(slab, slab_offset, length)`` of ``ranges`` in the process; the future
+        gives them in order."""
+        for slab in {slab.id: slab for slab, _, _ in ranges}.values():
+            self.map_slab(slab)
+        return self._request(("crc", [(slab.id, start, n) for slab, start, n in ranges]), None, writes=False)[1]
+
+    def submit_encode(self, fd: int, codec: str, level: int, chunk_bytes: int, pieces: list[tuple],
+                      slabs: list[Any]) -> Future[Any]:
+        """Start writing the native file ``pieces`` into the open file ``fd``, encoded with ``codec``
+        (the ``encode`` request of :mod:`checkpointd.storage.persist_protocol`); the future gives
+        ``[size, CRC-32, native size]``. The caller may close ``fd`` once the future is done."""
+        for slab in slabs:
+            self.map_slab(slab)
+        return self._submit(("encode", codec, level, chunk_bytes, pieces), fd)
+
     def exclusive(self, st: os.stat_result, timeout: float = 10.0) -> bool | None:
         """Whether the process keeps a mapping of the file ``st`` describes and that is its only open
         file (``None``: it keeps none; ask the file system instead).

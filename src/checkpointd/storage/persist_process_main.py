@@ -1,12 +1,13 @@
 """The persist process itself: copies staged bytes from shared slabs into checkpoint files.
 
 Started by :mod:`checkpointd.storage.persist_process` as ``python -P persist_process_main.py SOCKET_FD THREADS
-NICE SLICE KEEP``. It imports no torch and nothing of the package: it loads by path the few
-standard-library modules it needs (:mod:`checkpointd.storage.persist_protocol`,
+NICE SLICE KEEP``. It imports no torch and, to write native files, nothing of the package: it loads by
+path the few standard-library modules it needs (:mod:`checkpointd.storage.persist_protocol`,
 :mod:`checkpointd.storage.persist_mappings`, :mod:`checkpointd.codecs.crc`, :mod:`checkpointd.storage.lanes`
 and :mod:`checkpointd.storage.fsinfo`), so it starts in tens of milliseconds and holds little memory.
-It runs at a lower CPU priority than the training process, and its threads' GIL, page faults and
-memory-map lock are its own: that is the point.
+A compressed file's first ``encode`` request imports the codecs (:mod:`checkpointd.storage.persist_codecs`:
+NumPy, zstandard, the native plane kernels; still no torch). It runs at a lower CPU priority than the training process, and its
+threads' GIL, page faults and memory-map lock are its own: that is the point.
 
 The requests it serves are listed in :mod:`checkpointd.storage.persist_protocol`.
 
@@ -48,6 +49,7 @@ def _load(relative: str) -> Any:
 
 _protocol = _load("storage/persist_protocol.py")
 _held = _load("storage/persist_mappings.py")
+_codecs = _load("storage/persist_codecs.py")
 send_message = _protocol.send_message
 receive_message = _protocol.receive_message
 Slab = _held.Slab
@@ -138,10 +140,10 @@ class Server:
                 self.reply(("ok", message[1], self.exclusive((message[2], message[3]))))
             elif kind == "detach":
                 self.detach(message)
-            elif kind in ("write", "scatter", "attach", "put", "keep"):
+            elif kind in ("write", "scatter", "attach", "put", "keep", "crc", "encode"):
                 handlers: dict[str, Callable[[tuple, Any], None]] = {
                     "write": self.write, "scatter": self.scatter, "attach": self.attach, "put": self.put,
-                    "keep": self.keep_blank}
+                    "keep": self.keep_blank, "crc": self.crc, "encode": self.encode}
                 target = handlers[kind]
                 thread = threading.Thread(target=target, args=(message, fds[0] if fds else None), daemon=True)
                 self.writes.add(thread)
@@ -215,6 +217,31 @@ class Server:
         check_writable(fd)
         for offset, data in pieces:
             self.pwrite_all(fd, data, offset)
+
+    def crc(self, message: tuple, _fd: None) -> None:
+        _kind, request_id, ranges = message[:3]
+
+        def one(r: tuple[int, int, int]) -> int:
+            slab = self.slabs.get(r[0])
+            if slab is None:
+                raise ValueError(f"slab {r[0]} is not mapped")
+            return int(self.crc32(slab.view[r[1]:r[1] + r[2]]))
+
+        self._answer(request_id, None, lambda: list(self.pool.map(one, ranges)))
+
+    def encode(self, message: tuple, fd: int) -> None:
+        _kind, request_id, codec, level, chunk_bytes, pieces = message[:6]
+        self._answer(request_id, fd, lambda: self._encode(fd, codec, level, chunk_bytes, pieces))
+
+    def _encode(self, fd: int, codec: str, level: int, chunk_bytes: int, pieces: list) -> list[int]:
+        """Encode the native file ``pieces`` with ``codec`` into ``fd`` (:func:`checkpointd.storage.persist_codecs.encode_file`)."""
+        check_writable(fd)
+        self._count_saving(1)
+        try:
+            return _codecs.encode_file(fd, codec, level, chunk_bytes, pieces, self.slabs, self.pool, self.crc32,
+                                       self.pwrite_all)
+        finally:
+            self._count_saving(-1)
 
     def _answer(self, request_id: int, fd: int | None, work: Callable[[], Any], track: bool = True) -> None:
         """Run one request on this thread and reply with its result or its failure.
