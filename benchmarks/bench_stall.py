@@ -1026,13 +1026,19 @@ def mean_ci95(xs: list[float]) -> tuple[float, float]:
 
 
 def interleaved_summary(runs: list[dict]) -> list[dict]:
-    """Per method (repeats pooled: ``checkpointd`` and ``checkpointd#2`` together): every checkpoint's
-    window against its run's neighbouring `none` runs (:func:`adjacent_stalls`) and against the window
-    halfway to the next save (``paired``), as mean +- 95 % CI over all of them; `none` runs give the
-    placebo, the same estimator where no checkpoint is taken. Empty unless some method ran twice."""
+    """:func:`window_summary` of ``runs``, empty unless some method ran twice (else the table says it all)."""
     bases = [run_base(r["method"]) for r in runs]
     if not any(bases.count(b) > 1 and b != "none" for b in set(bases)):
         return []
+    return window_summary(runs)
+
+
+def window_summary(runs: list[dict]) -> list[dict]:
+    """Per method (repeats pooled: ``checkpointd`` and ``checkpointd#2`` together): every checkpoint's
+    window against its run's neighbouring `none` runs (:func:`adjacent_stalls`) and against the window
+    halfway to the next save (``paired``), as mean +- 95 % CI over all of them; `none` runs give the
+    placebo, the same estimator where no checkpoint is taken."""
+    bases = [run_base(r["method"]) for r in runs]
     out = []
     for base in dict.fromkeys(bases):
         mine = [r for r in runs if run_base(r["method"]) == base]

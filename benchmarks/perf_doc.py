@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 STALL_ROWS = (
     ("checkpointd", "`CheckpointManager(..., compression=None)`, `maybe_save(step)` every step"),
@@ -68,7 +71,11 @@ def _restore_workload(doc: dict[str, Any]) -> str:
 
 
 def _stall_cell(doc: dict[str, Any], method: str) -> str:
-    row = next((r for r in doc.get("interleaved", []) if r["method"] == method), None)
+    """The interleaved estimate (a run whose methods each ran once: the same estimator over its windows)."""
+    from bench_stall import window_summary
+
+    rows = doc.get("interleaved") or window_summary(doc.get("runs", []))
+    row = next((r for r in rows if r["method"] == method), None)
     if row is None:
         return "-"
     return f"{row['mean_ms']:.1f} ± {row['ci95_ms']:.1f} [{row['min_ms']:.1f}, {row['max_ms']:.1f}]"
@@ -148,7 +155,8 @@ def main() -> None:
             info = doc.get("info", {})
             out += [f"- {label}: {workload(doc)}.",
                     f"  Card: {info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch {info.get('torch', '?')}, "
-                    f"CRC-32 by {info.get('crc32', '?')}. Commit: `{commit}`. Command: `{info.get('command', '?')}`."]
+                    f"CRC-32 by {info.get('crc32', '?')}, {str(info.get('date', '?'))[:10]}. Commit: `{commit}`. "
+                    f"Command: `{info.get('command', '?')}`."]
         out += ["", meaning, "",
                 "| method | what runs | " + " | ".join(f"{label}: {unit}" for label, _, _ in runs) + " |",
                 "|---|---|" + "---|" * len(runs)]

@@ -319,6 +319,8 @@ def test_interleaved_runs_score_each_window_against_the_none_runs_beside_it() ->
                                                "ckpts": 2, "every": every, "steps": steps, "dir": "d", "dir_fs": "tmpfs"}})
     assert "interleaved:" in text and "checkpointd              30.0 +- 0.0 ms" in text
     assert bench_stall.interleaved_summary(runs[:3]) == []  # none,checkpointd,none: nothing repeated, the table says it all
+    once = {r["method"]: r for r in bench_stall.window_summary(runs[:3])}  # what perf_doc quotes for such a run
+    assert once["checkpointd"]["runs"] == 1 and once["checkpointd"]["n"] == 2 and abs(once["checkpointd"]["mean_ms"] - 30.0) < 1e-6
     mean, half = bench_stall.mean_ci95([1.0, 2.0, 3.0])
     assert mean == 2.0 and abs(half - 4.30 * 1.0 / 3 ** 0.5) < 1e-9
 
