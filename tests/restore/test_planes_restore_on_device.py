@@ -8,13 +8,21 @@ values. The CUDA run: ``tests/gpu/test_planes_on_device_cuda.py``.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from torch import nn
 
 from checkpointd import CheckpointManager
+from checkpointd.codecs import planes_device
+from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
+from checkpointd.codecs.plane_kernels import NIBBLES
+from checkpointd.codecs.planes import MODE_NIBBLES
+from checkpointd.errors import CorruptCheckpointError
 from checkpointd.restore import apply, bulkcopy, device_image, fastload
 from checkpointd.restore import step as restore
+from checkpointd.testing import tamper
 
 CPU = torch.device("cpu")
 POISON = 0xA5
@@ -206,3 +214,55 @@ def test_a_tree_ensure_host_cannot_follow_is_written_whole_at_load(tmp_path, on_
     _restore(tmp_path, {"w": weights})
     assert files_filled, "the host was not written before the loaded tree was handed on"
     _assert_equal(expected, {"w": weights})
+
+
+def _biggest(step_dir):
+    return max((f for f in step_dir.iterdir() if f.name.endswith(".zst")), key=lambda f: f.stat().st_size)
+
+
+def _forge(step_dir, victim, data: bytes, raw_size_delta: int = 0) -> None:
+    """``victim`` now holds ``data``; the manifest and marker agree with it (every checksum passes)."""
+    victim.write_bytes(data)
+
+    def change(doc):
+        for f in doc["files"]:
+            if f["path"] == victim.name:
+                f.update(size=len(data), checksum=f"crc32:{zlib.crc32(data):08x}", raw_size=f["raw_size"] + raw_size_delta)
+
+    tamper.rewrite_manifest(step_dir, change)
+
+
+def _escape_count_raised(data: bytes) -> bytes:
+    """``data`` with the escape count of its first nibble plane one higher (nothing else changed)."""
+    stored = memoryview(data)
+    frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
+    chunks, _ = planes_device._plan(stored, frames, natives)
+    chunk = next(c for c in chunks if any(mode == MODE_NIBBLES for mode, _, _ in c.layout.planes))
+    start = next(a for mode, a, _ in chunk.layout.planes if mode == MODE_NIBBLES)
+    out = bytearray(data)
+    base, escaped = NIBBLES.unpack_from(out, chunk.frame + start)
+    NIBBLES.pack_into(out, chunk.frame + start, base, escaped + 1)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("forgery", ["raw size", "escape count"])
+def test_a_forged_planes_file_is_refused_on_the_device_path_and_nothing_changes(tmp_path, on_cpu_device, bulk_on_cpu,
+                                                                                 forgery) -> None:
+    model, opt = _trained(5)
+    objects = {"model": model, "optim": opt}
+    _saved(tmp_path, objects)
+    step_dir = tmp_path / "step-000000001"
+    victim = _biggest(step_dir)
+    data = victim.read_bytes()
+    if forgery == "raw size":
+        _forge(step_dir, victim, data, raw_size_delta=1)
+    else:
+        _forge(step_dir, victim, _escape_count_raised(data))
+    _scramble(objects)
+    live = _snapshot(model)
+    before = dict(device_image.stats)
+    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
+        with pytest.raises(CorruptCheckpointError, match="native bytes|decodes to|escape"):
+            mgr.restore(1)
+    assert device_image.stats["verified"] > before["verified"]  # checked on the "device" first
+    assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))

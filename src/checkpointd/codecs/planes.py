@@ -158,15 +158,7 @@ def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:
 
 def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
     """Decode one planes-container chunk frame into ``out`` (its native bytes, exactly)."""
-    native_nbytes = out.nbytes
-    if frame.nbytes < FRAME_HEADER.size + _CHUNK_HEADER.size:
-        raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
-    magic, payload_nbytes = FRAME_HEADER.unpack_from(frame)
-    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
-        raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
-    kind, itemsize, flags, size, crc = _CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
-    if size != native_nbytes:
-        raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
+    kind, itemsize, flags, size, crc = _chunk_header(frame, out.nbytes)
     body = frame[FRAME_HEADER.size + _CHUNK_HEADER.size :]
     if kind == KIND_RAW and body.nbytes == size:
         _check_crc(crc32(body), crc)
@@ -235,6 +227,19 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
                                      f"its header says ({escaped})")
 
 
+def _chunk_header(frame: memoryview, native_nbytes: int) -> tuple[int, int, int, int, int]:
+    """``(kind, itemsize, flags, native size, crc)`` of a chunk frame whose index entry says ``native_nbytes``."""
+    if frame.nbytes < FRAME_HEADER.size + _CHUNK_HEADER.size:
+        raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
+    magic, payload_nbytes = FRAME_HEADER.unpack_from(frame)
+    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
+        raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
+    header = _CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
+    if header[3] != native_nbytes:
+        raise CorruptCheckpointError(f"chunk says {header[3]} native bytes, the index {native_nbytes}")
+    return header
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where the parts of one chunk frame lie, checked against the format (offsets within the frame).
@@ -264,14 +269,7 @@ def read_chunk_layout(frame: memoryview, native_nbytes: int) -> ChunkLayout:
         CorruptCheckpointError: anything :func:`decode_chunk_into` would refuse before decoding, and a
             nibble plane whose escape count exceeds its values.
     """
-    if frame.nbytes < FRAME_HEADER.size + _CHUNK_HEADER.size:
-        raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
-    magic, payload_nbytes = FRAME_HEADER.unpack_from(frame)
-    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
-        raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
-    kind, itemsize, flags, size, crc = _CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
-    if size != native_nbytes:
-        raise CorruptCheckpointError(f"chunk says {size} native bytes, the index {native_nbytes}")
+    kind, itemsize, flags, size, crc = _chunk_header(frame, native_nbytes)
     body = (FRAME_HEADER.size + _CHUNK_HEADER.size, frame.nbytes)
     if kind == KIND_RAW and body[1] - body[0] == size:
         return ChunkLayout(kind, 1, 0, False, crc, body, [], body, body)

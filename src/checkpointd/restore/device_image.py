@@ -207,11 +207,12 @@ def verify(buf: torch.Tensor) -> tuple[DeviceImage, int] | None:
     return DeviceImage(buf, data), crc
 
 
-def decode_planes(buf: torch.Tensor, stored: DeviceImage | None) -> DeviceImage | None:
+def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: int | None = None) -> DeviceImage | None:
     """The native bytes of the verified ``zstd-planes`` file ``buf`` decoded on the restore's device
     (:mod:`checkpointd.codecs.planes_device`), as an image whose host holds only what the host decoded.
 
-    ``buf`` matched its manifest checksum, which covers every byte the chunks' own CRCs cover, so those are
+    ``native_size``: the native size the manifest gives (a file that says otherwise is damaged). ``buf``
+    matched its manifest checksum, which covers every byte the chunks' own CRCs cover, so those are
     not computed again. ``stored``: ``buf`` already on the device (:func:`verify`'s image), else it is uploaded here. None
     where that does not apply (see :func:`verify`) or the device failed (logged): the caller decodes on
     the host. Register the result, and read its host bytes only through :func:`ensure_host`.
@@ -220,6 +221,8 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None) -> DeviceImage 
         CorruptCheckpointError: a damaged file, as the host decoder would find it.
     """
     native = read_index(ViewFile(byte_view(buf)), PLANES_FOOTER_MAGIC, "zstd-planes")[1][-1]
+    if native_size is not None and native != native_size:
+        raise CorruptCheckpointError(f"the 'zstd-planes' file holds {native} native bytes, its manifest says {native_size}")
     data = stored.data if stored is not None else _allocate(buf)
     if data is None or _allocate(buf, native, reserve_only=True) is None:
         return None

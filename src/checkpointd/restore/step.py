@@ -153,7 +153,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
         device_image.register(image[0] if image else None)
     else:
         try:
-            decoded = device_image.decode_planes(buf, image[0] if image else None) if planes else None
+            decoded = device_image.decode_planes(buf, image[0] if image else None, entry.raw_size) if planes else None
             image.clear()  # the stored bytes' device copy is done with
             buf = decoded.host if decoded is not None else fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
