@@ -15,6 +15,7 @@ import torch
 
 from checkpointd import CheckpointManager, load
 from checkpointd.codecs.compress import decode_bytes
+from checkpointd.errors import CheckpointWriteError
 from checkpointd.format.manifest import Manifest
 from checkpointd.storage import persist_process, sharedmem
 
@@ -105,7 +106,7 @@ def test_an_encode_failure_fails_the_save_and_commits_nothing(tmp_path: Path, mo
         mgr.wait()
         monkeypatch.setattr(persist_process.PersistProcess, "submit_encode", full_disk)
         mgr.save(2)
-        with pytest.raises(Exception, match="No space left"):
+        with pytest.raises(CheckpointWriteError, match="No space left"):
             mgr.wait()
         assert mgr.latest_step() == 1
     assert not (tmp_path / "step-000000002" / "COMMITTED").exists()
