@@ -76,13 +76,14 @@ class _Chunk:
 
 def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
                      upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-                     check_chunks: bool = True) -> OnDevice:
+                     check_chunks: bool = True, data: torch.Tensor | None = None) -> OnDevice:
     """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
 
     ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
     copies host bytes to the device, ``dst.copy_(src)`` for every ``(dst, src)`` (the default). ``check_chunks=False`` skips the
     chunks' own CRC-32s, for a file whose every byte was just checked against its manifest (they cover
-    the same bytes: they exist for reads of one tensor, which check no file checksum).
+    the same bytes: they exist for reads of one tensor, which check no file checksum). ``data``: where
+    the native bytes go (uint8 on the device, the file's native size; default: allocated here).
 
     Raises:
         CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
@@ -100,7 +101,10 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
-    data = torch.empty(natives[-1], dtype=torch.uint8, device=device)
+    if data is None:
+        data = torch.empty(natives[-1], dtype=torch.uint8, device=device)
+    elif data.numel() != natives[-1] or data.device != device:
+        raise ValueError(f"the output has {data.numel()} bytes on {data.device}, the file {natives[-1]} on {device}")
     scratch_data = torch.empty(decoded_nbytes, dtype=torch.uint8, device=device)
     pairs = [(scratch_data, scratch)] if decoded_nbytes else []
     groups: dict[tuple, list[_Chunk]] = {}

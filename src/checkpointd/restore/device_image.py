@@ -224,12 +224,14 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: in
     if native_size is not None and native != native_size:
         raise CorruptCheckpointError(f"the 'zstd-planes' file holds {native} native bytes, its manifest says {native_size}")
     data = stored.data if stored is not None else _allocate(buf)
-    if data is None or _allocate(buf, native, reserve_only=True) is None:
+    native_data = _allocate(buf, native) if data is not None else None
+    if data is None or native_data is None:
         return None
     try:
         if stored is None:
-            _copy_up(data, buf)
-        out = decode_on_device(byte_view(buf), data, default_executor(), upload=_copy_pairs_up, check_chunks=False)
+            _copy_pairs_up([(data, buf)])
+        out = decode_on_device(byte_view(buf), data, default_executor(), upload=_copy_pairs_up, check_chunks=False,
+                               data=native_data)
     except CorruptCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA error: the host decoder needs none of it
@@ -241,10 +243,6 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: in
     with _lock:
         stats["decoded"] += 1
     return DeviceImage(out.host, out.data, out.device_only)
-
-
-def _copy_up(dst: torch.Tensor, src: torch.Tensor) -> None:
-    _copy_pairs_up([(dst, src)])
 
 
 def _copy_pairs_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -337,22 +335,14 @@ def _minus(span: tuple[int, int], cuts: list[tuple[int, int]]) -> list[tuple[int
     return parts
 
 
-def _allocate(buf: torch.Tensor, nbytes: int | None = None, reserve_only: bool = False) -> torch.Tensor | None:
+def _allocate(buf: torch.Tensor, nbytes: int | None = None) -> torch.Tensor | None:
     """The device buffer for an image of ``buf`` (``nbytes``, default its size) where one applies and fits
-    (see the module docstring); ``reserve_only``: count the room as promised, allocate nothing (returns
-    an empty tensor)."""
+    (see the module docstring)."""
     with _lock:
         restore = _active[-1] if _active else None
     n = buf.numel() if nbytes is None else nbytes
     if restore is None or buf.device.type != "cpu" or n < max(1, MIN_BYTES):
         return None
-    if reserve_only:
-        with _lock:
-            if not _has_room(restore, n):
-                stats["no_room"] += 1
-                return None
-            restore.promised += n
-        return torch.empty(0, dtype=torch.uint8)
     with _lock:  # the room check and the allocation together: files read side by side both count
         if not _has_room(restore, n):
             stats["no_room"] += 1

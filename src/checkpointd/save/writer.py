@@ -276,10 +276,8 @@ def encoded_write_applies(store: Store, codec: Any, fjob: FileJob) -> bool:
 
 def _write_encoded(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEntry | None:
     """Lay the zip out, have the persist process checksum, encode and write it; None where it cannot."""
-    image = fjob.image if fjob.image is not None else file_image(fjob)
-    fjob.image = None
+    image = _take_image(store, rel, fjob)
     hints = {key: plane_itemsize(dtype) for key, dtype in _record_dtypes(image, fjob.dtypes or {}).items()}
-    store.makedirs(rel.rsplit("/", 1)[0] if "/" in rel else "")
     result = ptlayout.write_encoded_file(store.path(rel), image, codec.name, codec.level, codec.chunk_bytes, hints,
                                          root=store.root, recycle_from=recyclebin.bin_for(store))
     if result is None:
@@ -309,15 +307,21 @@ def _write_parallel(store: Store, rel: str, codec: Any, fjob: FileJob, fast: boo
     The manifest checksum (CRC-32 of the file as stored) is combined from the CRCs that the writing
     threads computed on each chunk; no byte is read twice. A failure removes the partial file.
     """
-    image = fjob.image if fjob.image is not None else file_image(fjob)
-    fjob.image = None  # an image is written once (its pieces record CRCs); a retry lays it out again
-    parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
-    store.makedirs(parent)
+    image = _take_image(store, rel, fjob)
     result = ptlayout.write_file(store.path(rel), image, fill=fjob.records.fill if fjob.records is not None else None,
                                  fast=fast, recycle_from=recyclebin.bin_for(store), root=store.root)
     fjob.recycled = result.recycled
     return FileEntry(path=fjob.rel_path, size=result.nbytes, checksum=format_crc(result.crc), codec=codec.name,
                      format=fjob.format, rank=fjob.rank, raw_size=result.nbytes)
+
+
+def _take_image(store: Store, rel: str, fjob: FileJob) -> Any:
+    """The job's zip image (laid out now unless planning did), with the file's directory made. An image
+    is written once (its pieces record CRCs): a retry lays it out again."""
+    image = fjob.image if fjob.image is not None else file_image(fjob)
+    fjob.image = None
+    store.makedirs(rel.rsplit("/", 1)[0] if "/" in rel else "")
+    return image
 
 
 def file_image(fjob: FileJob) -> Any:

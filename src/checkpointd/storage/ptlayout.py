@@ -206,12 +206,20 @@ def write_file(path: str, img: ZipImage, *, chunk_bytes: int = DEFAULT_CHUNK_BYT
 def _write_at(dir_fd: int, name: str, path: str, img: ZipImage, *, chunk_bytes: int, executor: Executor | None,
               durable: bool, fill: FillFn | None, fast: bool, recycle_from: str | None) -> WriteResult:
     """:func:`write_file` into ``name`` of the directory ``dir_fd`` (``path``: for messages)."""
-    fd = recyclebin.take_open(recycle_from, dir_fd, name, img.end) if recycle_from is not None else None
+    return _create(dir_fd, name, path, img.end, recycle_from, durable,
+                   lambda fd: write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast))
+
+
+def _create(dir_fd: int, name: str, path: str, nbytes: int, recycle_from: str | None, durable: bool,
+            write: Callable[[int], WriteResult]) -> WriteResult:
+    """``write(fd)`` into a new file ``name`` of ``dir_fd`` (or a retired one of about ``nbytes`` from the
+    bin ``recycle_from``), fsync'd (file and directory) when ``durable``; removed on any failure."""
+    fd = recyclebin.take_open(recycle_from, dir_fd, name, nbytes) if recycle_from is not None else None
     recycled = fd is not None
     if fd is None:
         fd = localpaths.create_file(dir_fd, name, path, os.O_RDWR)  # RDWR: mmap mode
     try:
-        result = write_image(fd, img, chunk_bytes=chunk_bytes, executor=executor, fill=fill, fast=fast)
+        result = write(fd)
         result.recycled = recycled
         if durable:
             os.fsync(fd)
@@ -273,27 +281,18 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
         hint = hints.get(id(p), 0)
         pieces.append((1, found[0].id, found[1], p.length, hint) if found is not None else (0, bytes(p.data), hint))
     slabs = list({found[0].id: found[0] for found in where.values() if found is not None}.values())
+
+    def encode(fd: int) -> WriteResult:
+        return WriteResult(*process.submit_encode(fd, codec, level, chunk_bytes, pieces, slabs).result())
+
     dir_fd, name = _parent(path, root)
     try:
-        fd = recyclebin.take_open(recycle_from, dir_fd, name, img.end) if recycle_from is not None else None
-        recycled = fd is not None
-        if fd is None:
-            fd = localpaths.create_file(dir_fd, name, path, os.O_RDWR)
-        try:
-            size, crc, raw = process.submit_encode(fd, codec, level, chunk_bytes, pieces, slabs).result()
-            os.fsync(fd)
-        except BaseException as exc:
-            os.close(fd)
-            os.unlink(name, dir_fd=dir_fd)
-            if isinstance(exc, persist_process.PersistProcessError):
-                logger.warning("checkpointd: %s; encoding the file in this process", exc)
-                return None
-            raise
-        os.close(fd)
-        os.fsync(dir_fd)
+        return _create(dir_fd, name, path, img.end, recycle_from, True, encode)
+    except persist_process.PersistProcessError as exc:
+        logger.warning("checkpointd: %s; encoding the file in this process", exc)
+        return None
     finally:
         os.close(dir_fd)
-    return WriteResult(size, crc, raw, recycled)
 
 
 def _parent(path: str, root: str | None) -> tuple[int, str]:
