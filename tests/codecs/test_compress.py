@@ -20,6 +20,8 @@ from checkpointd.format import serialize
 from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec, plane_itemsize
 from checkpointd.errors import ConfigError, CorruptCheckpointError
 
+from planes_files import legacy_encode_planes
+
 SMALL_CHUNK = 64 << 10
 ZSTD_CLI = shutil.which("zstd") or ("/usr/bin/zstd" if os.path.exists("/usr/bin/zstd") else None)
 ALL_DTYPES = [
@@ -334,7 +336,8 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
 
 @pytest.mark.parametrize("numel", [1, 2, 3, 1001, 70_001])
 def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
-    """Mode 2 (4-bit codes): odd counts, escapes (zeros, infs, huge values), and damage detected."""
+    """Mode 2 (4-bit codes, written by earlier releases): odd counts, escapes (zeros, infs, huge values),
+    and damage detected."""
     import numpy as np
 
     from checkpointd.codecs import planes as kernels
@@ -345,7 +348,7 @@ def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
     raw = values.view(torch.uint8).numpy().tobytes() + b"\x05"
     planes = codecs_plane_kernels.to_planes(memoryview(raw), 4)
     base = max(0, int(np.bincount(planes[3], minlength=256).argmax()) - 7)
-    parts = kernels.encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
+    parts = legacy_encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
     body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     mode = kernels._PLANE.unpack_from(body, kernels._CHUNK_HEADER.size + 3 * kernels._PLANE.size)[0]
     assert mode == (2 if numel > 10_000 else mode)

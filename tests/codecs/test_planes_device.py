@@ -33,9 +33,10 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["huffman planes", "earlier releases' planes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
-def test_device_decoding_gives_the_host_decoders_bytes(dtype) -> None:
-    native, stored = planes_file(dtype, 700_001)
+def test_device_decoding_gives_the_host_decoders_bytes(dtype, legacy) -> None:
+    native, stored = planes_file(dtype, 700_001, legacy=legacy)
     assert bytes(decode_bytes("zstd-planes", stored)) == native
     out = _decode(stored)
     assert torch.equal(out.data, _as_tensor(native))

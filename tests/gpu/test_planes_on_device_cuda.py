@@ -115,3 +115,61 @@ def test_the_cuda_decoder_equals_the_host_decoder(dtype) -> None:
     assert out.data.device.type == "cuda"
     assert bytes(decode_bytes("zstd-planes", stored)) == native
     assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_the_cuda_decoder_equals_the_host_decoder_on_huffman_and_earlier_planes(legacy) -> None:
+    native, stored = planes_file(torch.float32, 1_000_003, legacy=legacy)
+    on_gpu = torch.frombuffer(bytearray(stored), dtype=torch.uint8).cuda()
+    with ThreadPoolExecutor(4) as pool:
+        out = decode_on_device(memoryview(stored), on_gpu, pool)
+    assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
+
+
+def _kernel_decode(stored: bytes, rows, tables, size: int):
+    """The CUDA kernel on ``rows`` of a block table: ``(bad flag, output on the host)``."""
+    import numpy as np
+
+    from checkpointd.codecs import huffman_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    kernel = huffman_device.cuda_rtc.kernels(huffman_device.KERNEL_SOURCE, ["huffman_blocks"], device)
+    src = torch.frombuffer(bytearray(stored), dtype=torch.uint8).to(device)
+    dst = torch.zeros(size, dtype=torch.uint8, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    kernel["huffman_blocks"].launch(1, 32, [src, dst, torch.from_numpy(np.ascontiguousarray(rows)).to(device),
+                                            torch.from_numpy(tables.view(np.int16)).to(device),
+                                            huffman_device.ctypes.c_longlong(rows.shape[0]), flag])
+    return bool(flag.item()), dst.cpu().numpy()
+
+
+def test_the_huffman_kernel_and_the_host_decoder_agree_on_every_block_good_or_forged() -> None:
+    """Block by block, the CUDA kernel and the C decoder give the same symbols and refuse the same
+    forged blocks (an end moved either way)."""
+    import numpy as np
+
+    from checkpointd.codecs import huffman, huffman_device
+
+    assert huffman_device.available(torch.device("cuda"))
+    rng = np.random.default_rng(0)
+    plane = (rng.geometric(0.35, 50_001).clip(1, 40) + 100).astype(np.uint8)
+    stored = b"".join(bytes(memoryview(p).cast("B")) for p in huffman.encode(plane))
+    layout = huffman.read_plane(stored, plane.size)
+    blocks, tables = huffman.block_table([huffman.PlaneAt(0, layout, 0, plane.size)])
+    flag, whole = _kernel_decode(stored, blocks, tables, plane.size)
+    assert not flag and np.array_equal(whole, plane)
+    refused = 0
+    for k, delta in [(3, 1), (5, -1)]:
+        forged = blocks.copy()
+        forged[k, 1] += delta
+        forged[k + 1, 0] += delta
+        for row in (k, k + 1):
+            one = forged[row : row + 1]
+            host = np.zeros(plane.size, dtype=np.uint8)
+            host_bad = huffman.decode_blocks(stored, host, np.ascontiguousarray(one), tables) != 0
+            flag, got = _kernel_decode(stored, one, tables, plane.size)
+            assert flag == host_bad, f"block {row} with block {k}'s end moved by {delta}"
+            refused += flag
+        flag, _ = _kernel_decode(stored, forged, tables, plane.size)
+        assert flag, f"block {k}'s end moved by {delta} went through"
+    assert refused >= 2

@@ -21,6 +21,8 @@ from checkpointd.errors import CorruptCheckpointError
 from checkpointd.native import loader
 from checkpointd.native import planes as planes_native
 
+from planes_files import legacy_encoder
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
 
 
@@ -96,24 +98,21 @@ def test_split_and_merge_match_the_numpy_kernels_on_every_bit_pattern(lib, items
     assert out.tobytes() == raw
 
 
-@pytest.mark.parametrize("count", [1, 2, 255, 256, 257, 9001])
-def test_pack_nibbles_matches_numpy_and_refuses_too_many_escapes(lib, count, monkeypatch) -> None:
-    rng = np.random.default_rng(count)
-    plane = (100 + rng.integers(0, 15, count)).astype(np.uint8)
-    escapes_at = rng.choice(count, size=max(1, count // 200), replace=False)
-    plane[escapes_at] = rng.choice([0, 99, 115, 255], size=escapes_at.size)
-    got = plane_kernels.pack_nibbles(plane, 100)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_native_and_numpy_decode_earlier_releases_nibble_and_zstd_planes_alike(lib, dtype, monkeypatch) -> None:
+    raw = _values(dtype, 70_001, 5, 300)
+    itemsize = plane_itemsize(dtype)
+    with legacy_encoder():
+        frame = _frame(kernels.encode_chunk(memoryview(raw), itemsize, 1))
+    modes = {kernels._PLANE.unpack_from(frame, 8 + kernels._CHUNK_HEADER.size + 8 * j)[0] for j in range(itemsize)}
+    assert modes & {kernels.MODE_NIBBLES, kernels.MODE_ZSTD} and kernels.MODE_HUFFMAN not in modes
+    native_out = np.zeros(len(raw), dtype=np.uint8)
+    kernels.decode_chunk_into(frame, native_out)
     with monkeypatch.context() as m:
         _numpy_only(m)
-        expected = plane_kernels.pack_nibbles(plane, 100)
-    if expected is None:  # more than 1/128 escaped: both refuse
-        assert got is None
-        return
-    assert got is not None and [bytes(p) for p in got] == [bytes(p) for p in expected]
-    packed = np.zeros((count + 1) // 2 + count, dtype=np.uint8)
-    escaped = int(np.count_nonzero((plane.astype(np.int16) - 100) % 256 >= 15))
-    assert planes_native.pack_nibbles(lib, plane, 100, packed, escaped) == escaped
-    assert planes_native.pack_nibbles(lib, plane, 100, packed, escaped - 1) == -1
+        numpy_out = np.zeros(len(raw), dtype=np.uint8)
+        kernels.decode_chunk_into(frame, numpy_out)
+    assert native_out.tobytes() == raw and numpy_out.tobytes() == raw
 
 
 @pytest.mark.parametrize("claimed_delta", [-1, 1])
@@ -123,11 +122,13 @@ def test_native_decode_refuses_a_wrong_escape_count(lib, claimed_delta) -> None:
     lo = rng.integers(0, 256, count, dtype=np.uint8)
     hi = (base + rng.integers(0, 15, count)).astype(np.uint8)
     hi[[0, 4095, 4096, 19_999]] = [3, 255, 99, 115]  # first and last element, either side of a block edge
-    packed = np.zeros((count + 1) // 2 + 8, dtype=np.uint8)
-    escaped = planes_native.pack_nibbles(lib, hi, base, packed, 8)
+    half = (count + 1) // 2
+    codes = np.zeros(2 * half, dtype=np.uint8)
+    codes[:count] = np.minimum(hi - np.uint8(base), 15)
+    packed = np.concatenate([codes[:half] * np.uint8(16) | codes[half:], hi[codes[:count] == 15]])
+    escaped = packed.size - half
     assert escaped == 4
     out = np.zeros(2 * count, dtype=np.uint8)
-    half = (count + 1) // 2
     plane = (1, packed, base, packed[half:], escaped)
     assert planes_native.decode_planes(lib, [(0, lo, 0, None, 0), plane], count, True, out) == 0
     reference = np.zeros(2 * count, dtype=np.uint8)

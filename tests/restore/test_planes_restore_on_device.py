@@ -8,6 +8,7 @@ values. The CUDA run: ``tests/gpu/test_planes_on_device_cuda.py``.
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import pytest
@@ -15,10 +16,8 @@ import torch
 from torch import nn
 
 from checkpointd import CheckpointManager
-from checkpointd.codecs import planes_device
+from checkpointd.codecs import huffman, planes_device
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
-from checkpointd.codecs.plane_kernels import NIBBLES
-from checkpointd.codecs.planes import MODE_NIBBLES
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.restore import apply, bulkcopy, device_image, fastload
 from checkpointd.restore import step as restore
@@ -232,20 +231,21 @@ def _forge(step_dir, victim, data: bytes, raw_size_delta: int = 0) -> None:
     tamper.rewrite_manifest(step_dir, change)
 
 
-def _escape_count_raised(data: bytes) -> bytes:
-    """``data`` with the escape count of its first nibble plane one higher (nothing else changed)."""
+def _block_end_moved(data: bytes) -> bytes:
+    """``data`` with the first block of its first Huffman plane ending one bit later (nothing else changed)."""
     stored = memoryview(data)
     frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
-    chunks, _ = planes_device._plan(stored, frames, natives)
-    chunk = next(c for c in chunks if any(mode == MODE_NIBBLES for mode, _, _ in c.layout.planes))
-    start = next(a for mode, a, _ in chunk.layout.planes if mode == MODE_NIBBLES)
+    chunks, _, _ = planes_device._plan(stored, frames, natives, True)
+    plane = next(p for c in chunks for p in c.on_device.values())
+    at = plane.src + huffman.HEADER.size + 128
     out = bytearray(data)
-    base, escaped = NIBBLES.unpack_from(out, chunk.frame + start)
-    NIBBLES.pack_into(out, chunk.frame + start, base, escaped + 1)
+    first, second = struct.unpack_from("<II", out, at)
+    assert first + 1 <= second
+    struct.pack_into("<I", out, at, first + 1)
     return bytes(out)
 
 
-@pytest.mark.parametrize("forgery", ["raw size", "escape count"])
+@pytest.mark.parametrize("forgery", ["raw size", "Huffman block end"])
 def test_a_forged_planes_file_is_refused_on_the_device_path_and_nothing_changes(tmp_path, on_cpu_device, bulk_on_cpu,
                                                                                  forgery) -> None:
     model, opt = _trained(5)
@@ -257,7 +257,7 @@ def test_a_forged_planes_file_is_refused_on_the_device_path_and_nothing_changes(
     if forgery == "raw size":
         _forge(step_dir, victim, data, raw_size_delta=1)
     else:
-        _forge(step_dir, victim, _escape_count_raised(data))
+        _forge(step_dir, victim, _block_end_moved(data))
     _scramble(objects)
     live = _snapshot(model)
     before = dict(device_image.stats)

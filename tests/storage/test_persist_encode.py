@@ -4,6 +4,7 @@ as the manifest says, with zip member CRCs right, without torch in that process,
 from __future__ import annotations
 
 import io
+import os
 import zipfile
 import zlib
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from checkpointd import CheckpointManager, load
 from checkpointd.codecs.compress import decode_bytes
 from checkpointd.errors import CheckpointWriteError
 from checkpointd.format.manifest import Manifest
-from checkpointd.storage import persist_process, sharedmem
+from checkpointd.storage import persist_process, sharedmem, writemode
 
 pytestmark = pytest.mark.skipif(not sharedmem.supported(), reason="shared staging needs Linux memfd_create")
 
@@ -49,8 +50,11 @@ def _check_step(root: Path, step: int, state: dict[str, Any], codec: str) -> Non
         assert torch.equal(restored["optimizer"]["state"][0][k], v), k
 
 
+@pytest.mark.parametrize("mode", ["pwrite", "mmap"])
 @pytest.mark.parametrize("codec", ["zstd-planes", "zstd"])
-def test_compressed_files_are_encoded_by_the_process(tmp_path: Path, codec: str) -> None:
+def test_compressed_files_are_encoded_by_the_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str,
+                                                      mode: str) -> None:
+    monkeypatch.setattr(writemode, "WRITE_MODE", mode)  # (by default: a mapping on memory file systems only)
     state = _state()
     with CheckpointManager(tmp_path, state, compression=codec) as mgr:
         mgr.save(1)
@@ -111,3 +115,26 @@ def test_an_encode_failure_fails_the_save_and_commits_nothing(tmp_path: Path, mo
         assert mgr.latest_step() == 1
     assert not (tmp_path / "step-000000002" / "COMMITTED").exists()
     _check_step(tmp_path, 1, state, "zstd-planes")
+
+
+@pytest.mark.parametrize("mode", ["pwrite", "mmap"])
+def test_one_file_encoded_again_and_again_holds_exactly_the_last_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                           mode: str) -> None:
+    """A recycled file is encoded into again: after a bigger file and after a smaller one (in ``mmap`` mode
+    the process keeps a mapping sized to the first file's bound), it is cut to exactly its new encoding."""
+    monkeypatch.setattr(writemode, "WRITE_MODE", mode)
+    process = persist_process.client()
+    assert process is not None
+    path = tmp_path / "again.pt.zst"
+    for i, count in enumerate((700_000, 50_000, 1_200_000)):
+        raw = (torch.randn(count, generator=torch.Generator().manual_seed(i)) * 0.02).numpy().tobytes()
+        pieces = [(0, b"PK-header", 0), (0, raw, 4), (0, b"end", 0)]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size, crc, native = process.submit_encode(fd, "zstd-planes", 1, 1 << 20, pieces, []).result(timeout=60)
+        finally:
+            os.close(fd)
+        data = path.read_bytes()
+        assert (len(data), f"{zlib.crc32(data):08x}", native) == (size, f"{crc:08x}", len(raw) + 12)
+        assert bytes(decode_bytes("zstd-planes", data)) == b"PK-header" + raw + b"end"
+    assert process.alive

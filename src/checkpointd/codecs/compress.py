@@ -19,32 +19,13 @@ Codecs (``get_codec(name)``):
 * ``"zstd-planes"``: the float-aware, high-ratio option (ZipNN's idea). For tensor records whose dtype
   is a 2-, 4- or 8-byte float (or complex of those), each element is rotated left by one bit, so the
   exponent fills the top byte and the sign joins the mantissa, and then byte ``i`` of every element is
-  grouped into plane ``i``. The exponent plane is low-entropy and compresses ~3x with zstd tuned for
-  literals (few matches), after packing two 4-bit codes a byte when its values span ~15 exponents (half
-  the symbols for zstd's Huffman stage: 2.9x faster); mantissa planes are near random and are stored
-  raw unless zstd gains. Each
-  chunk keeps whichever of planes, plain zstd or raw is smallest (judged on a 16 Ki-element sample).
-
-``zstd-planes`` container (all integers little-endian)::
-
-    banner      a regular zstd frame whose content is a short text saying "decode with checkpointd"
-    chunk * N   skippable frame: <u32 0x184D2A53><u32 payload size> payload, where payload is
-                <u8 kind><u8 itemsize><u8 flags><u8 0><u64 native size><u32 crc> and then
-                kind 0 (raw):    the native bytes
-                kind 1 (zstd):   one zstd frame of the native bytes
-                kind 2 (planes): itemsize * <u8 mode><3 x 0><u32 size>, the plane payloads, then
-                                 the native tail (native size % itemsize bytes) raw; modes: 0 raw,
-                                 1 one zstd frame, 2 nibbles: <u8 base><3 x 0><u32 escapes> and one
-                                 zstd frame of ceil(n/2) bytes of 4-bit codes (value - base, 15 for
-                                 an escape; code k in the high nibble of byte k, code ceil(n/2) + k
-                                 in its low nibble) followed by the escaped values in element order;
-                                 flags bit 0: elements were rotated left by one bit; bit 1: the crc
-                                 covers every stored plane byte (the encoder always sets it; a
-                                 nibble plane requires it)
-                crc: CRC-32 of the bytes stored raw (all stored plane bytes with flags bit 1), in
-                     order; zstd frames without flags bit 1 carry their own checksum
-    index       the seek table above, with footer magic 0x31504B43 (b"CKP1") instead of 0x8F92EAB1;
-                one entry per frame before it, the banner included (native size 0)
+  grouped into plane ``i``. The exponent plane is low-entropy and is Huffman-coded (~3x;
+  :mod:`checkpointd.codecs.huffman`, in independent blocks that a GPU decodes in parallel); mantissa
+  planes are near random and are stored raw unless coding gains. Each chunk keeps whichever of planes,
+  plain zstd or raw is smallest (judged on a 16 Ki-element sample). The container, byte by byte, is in
+  ``docs/format.md``: a banner frame, one skippable frame per chunk (kind raw, zstd or planes; a planes
+  chunk holds a plane table, the planes and the native tail, and a CRC-32 of every stored byte), then
+  the seek table with footer magic ``0x31504B43`` (``b"CKP1"``).
 
 Why this shape: every data chunk sits in a skippable frame, so ``zstd -d`` on a planes file succeeds but
 writes only the banner text; it can never produce plausible but wrong tensor bytes. ``torch.load`` of

@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from checkpointd.codecs.zstd_frames import plane_compressor, scratch
+from checkpointd.codecs.zstd_frames import scratch
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.native import planes as planes_native
 
 ESCAPE = 15
-"""The nibble code that marks a value outside the 15-value window (stored after the codes)."""
+"""The nibble code that marks a value outside the 15-value window (stored after the codes). Nibble planes
+are read, not written: files of earlier releases hold them."""
 NIBBLES = struct.Struct("<BxxxI")
 """Header of a nibble-packed plane: base, escape count; one zstd frame of codes and escapes follows."""
 UINT_BY_ITEMSIZE: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -71,57 +72,14 @@ def to_planes(view: Any, itemsize: int) -> np.ndarray:
     return planes
 
 
-def _true_positions(mask: np.ndarray) -> np.ndarray:
-    """``np.flatnonzero(mask)`` for a sparse bool array, ~4x faster: nonzero 8-byte words first."""
-    whole = mask.size // 8 * 8
-    words = mask[:whole].view(np.uint64)
-    hit = scratch("hit", words.size).view(np.bool_)
-    np.not_equal(words, 0, out=hit)
-    candidates = (np.flatnonzero(hit)[:, None] * 8 + np.arange(8)).ravel()
-    found = candidates[mask[candidates]]
-    return np.concatenate([found, whole + np.flatnonzero(mask[whole:])]) if whole < mask.size else found
-
-
-def pack_nibbles(plane: np.ndarray, base: int) -> list[Any] | None:
-    """A plane as 4-bit codes ``value - base`` (15: escape), two a byte, zstd-compressed with the escapes.
-
-    Exponent planes hold ~2.5 bits a byte, nearly all in 15 consecutive values: packing halves the
-    symbols zstd's Huffman stage codes, so the plane compresses 2.9x faster and decodes 1.7x faster,
-    0.5% smaller. Code ``k`` sits in the high nibble of byte ``k`` for ``k < h = ceil(n / 2)``, code
-    ``h + k`` in its low nibble; the escaped values follow the ``h`` bytes, in element order. ``None``
-    if more than 1/128 of the plane escapes: finding escapes when decoding would cost more than it saves.
-    """
-    count, half = plane.size, (plane.size + 1) // 2
-    lib = planes_native.library()
-    if lib is not None:
-        packed = scratch("packed", half + count // 128)
-        escaped = planes_native.pack_nibbles(lib, plane, base, packed, count // 128)
-        if escaped < 0:
-            return None
-        return [NIBBLES.pack(base, escaped), plane_compressor().compress(packed[: half + escaped].data)]
-    codes = scratch("codes", 2 * half)
-    codes[count:] = 0
-    np.subtract(plane, np.uint8(base), out=codes[:count])
-    mask = scratch("mask", count).view(np.bool_)
-    np.greater_equal(codes[:count], ESCAPE, out=mask)
-    escapes = _true_positions(mask)
-    if escapes.size * 128 > count:
-        return None
-    codes[escapes] = ESCAPE  # (NumPy's uint8 minimum is scalar code, 15x slower than this)
-    packed = scratch("packed", half + escapes.size)
-    np.multiply(codes[:half], np.uint8(16), out=packed[:half])
-    packed[:half] |= codes[half:]
-    packed[half:] = plane[escapes]
-    return [NIBBLES.pack(base, escapes.size), plane_compressor().compress(packed.data)]
-
-
 def unpack_nibbles(base: int, escaped: int, packed: np.ndarray, plane: np.ndarray) -> None:
-    """Inverse of :func:`pack_nibbles` (NumPy kernels), into ``plane``: 5 NumPy calls.
+    """Decode a nibble plane (``docs/format.md``, plane mode 2, written by earlier releases) into ``plane``:
+    5 NumPy calls.
 
     Escapes are put back by a boolean-mask assignment, which fills the masked places in order (what
     the format stores) in one call, skipping runs of unmasked bytes a word at a time: a bf16 chunk
-    (1298 escapes in 8 Mi values) takes 2 GIL releases and 0.9 ms; finding the positions first
-    (:func:`_true_positions`, as encoding does) takes 0.33 ms but ~10 releases.
+    (1298 escapes in 8 Mi values) takes 2 GIL releases and 0.9 ms; finding the positions first takes
+    0.33 ms but ~10 releases.
     """
     count, half = plane.size, (plane.size + 1) // 2
     np.right_shift(packed[:half], 4, out=plane[:half])
@@ -203,5 +161,5 @@ def _rotate_right(elems: np.ndarray) -> None:
     elems |= low
 
 
-__all__ = ["ESCAPE", "MERGE_BYTES", "NIBBLES", "UINT_BY_ITEMSIZE", "from_planes", "pack_nibbles", "to_planes",
+__all__ = ["ESCAPE", "MERGE_BYTES", "NIBBLES", "UINT_BY_ITEMSIZE", "from_planes", "to_planes",
            "unpack_nibbles"]

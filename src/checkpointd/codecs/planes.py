@@ -2,8 +2,8 @@
 
 :mod:`checkpointd.codecs.compress` documents the container and drives these functions on its pool
 threads, one chunk at a time. Encoding judges a sample of the chunk (:func:`choose_planes`), then
-splits float elements into byte planes (:mod:`checkpointd.codecs.plane_kernels`), packs low-entropy
-planes into nibbles and compresses the planes worth it. Decoding writes straight into the chunk's
+splits float elements into byte planes (:mod:`checkpointd.codecs.plane_kernels`) and Huffman-codes
+the planes worth it (:mod:`checkpointd.codecs.huffman`: exponents, mostly). Decoding writes straight into the chunk's
 slot of the caller's output buffer: no per-chunk ``bytes`` is allocated, and the caller's thread
 copies nothing; temporaries live in per-thread scratch (:mod:`checkpointd.codecs.zstd_frames`).
 
@@ -19,21 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from checkpointd.codecs import huffman
 from checkpointd.codecs.container import FRAME_HEADER
 from checkpointd.codecs.crc import crc32
-from checkpointd.codecs.plane_kernels import (
-    ESCAPE,
-    NIBBLES,
-    UINT_BY_ITEMSIZE,
-    from_planes,
-    pack_nibbles,
-    to_planes,
-    unpack_nibbles,
-)
+from checkpointd.codecs.plane_kernels import NIBBLES, UINT_BY_ITEMSIZE, from_planes, to_planes, unpack_nibbles
 from checkpointd.codecs.zstd_frames import (
     compressor,
     copy_into,
-    plane_compressor,
     scratch,
     zstd_decompress_into,
     zstd_decompress_slack,
@@ -54,7 +46,9 @@ _PLANE = struct.Struct("<BxxxI")  # mode, stored size
 _SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 
 KIND_RAW, KIND_ZSTD, KIND_PLANES = 0, 1, 2
-MODE_RAW, MODE_ZSTD, MODE_NIBBLES = 0, 1, 2
+MODE_RAW, MODE_ZSTD, MODE_NIBBLES, MODE_HUFFMAN = 0, 1, 2, 3
+"""How a plane is stored. The encoder writes raw and Huffman planes (:mod:`checkpointd.codecs.huffman`);
+zstd and nibble planes are read, for files written before the Huffman planes."""
 _FLAG_ROTATED = 1
 _FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes then carry no checksum)
 
@@ -76,33 +70,28 @@ def banner_frame() -> bytes:
     return compressor(1).compress(PLANES_BANNER)
 
 
-def choose_planes(view: memoryview, itemsize: int, level: int) -> tuple[list[bool], list[int | None]] | None:
+def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | None:
     """Judge a sample of elements from a few places across the chunk (tensors are not uniform).
 
     Returns ``None`` if plain zstd beats planes (zeros, integer-valued floats), else which planes are
-    worth a zstd attempt (all but those whose byte entropy looks uniform) and, for each, the base of a
-    nibble window if it is to be packed (see :func:`checkpointd.codecs.plane_kernels.pack_nibbles`).
-    Entropy, not a trial compression, sizes the planes: on a small sample zstd's table overhead hides the 2-9% that skewed mantissa
-    planes gain on a whole chunk, and the trial would cost more than the histogram.
+    worth coding (all but those whose byte entropy looks uniform). Entropy, not a trial compression,
+    sizes the planes: a Huffman code comes within a few hundredths of a bit of it on these planes, and
+    a trial would cost more than the histogram.
     """
     count = view.nbytes // itemsize
     if count < _SAMPLE_ELEMENTS:
-        return [True] * itemsize, [None] * itemsize
+        return [True] * itemsize
     per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
     starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
     sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
-    worth, bases, estimate = [], [], 0.0
+    worth, estimate = [], 0.0
     for plane in to_planes(sample, itemsize):
-        counts = np.bincount(plane, minlength=256)
-        bits = _entropy_bits(counts)
+        bits = _entropy_bits(np.bincount(plane, minlength=256))
         worth.append(bits < _RANDOM_ENTROPY_BITS)
         estimate += plane.size * (bits / 8 if worth[-1] else 1)
-        window = np.convolve(counts, np.ones(ESCAPE, dtype=np.int64), mode="valid")  # window[b]: values b..b+14
-        base = int(window.argmax())
-        bases.append(base if worth[-1] and window[base] >= _NIBBLE_COVERAGE * plane.size else None)
     if len(compressor(level).compress(sample)) < 0.95 * estimate:
         return None
-    return worth, bases
+    return worth
 
 
 def _entropy_bits(counts: np.ndarray) -> float:
@@ -111,21 +100,19 @@ def _entropy_bits(counts: np.ndarray) -> float:
     return float(-(freq * np.log2(freq)).sum())
 
 
-def encode_planes(
-    view: memoryview, itemsize: int, worth: list[bool], bases: list[int | None] | None = None
-) -> list[Any]:
-    """Chunk payload parts of kind planes: header, plane table, planes, native tail."""
+def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[Any]:
+    """Chunk payload parts of kind planes: header, plane table, planes, native tail. A plane ``worth``
+    coding is Huffman-coded, and stored raw if that is not smaller."""
     whole = view.nbytes // itemsize * itemsize
     planes = to_planes(view[:whole], itemsize)
     table, blobs, crc = [], [], 0
-    for plane, compress, base in zip(planes, worth, bases or [None] * itemsize):
-        parts = pack_nibbles(plane, base) if base is not None else None
-        mode = MODE_NIBBLES
-        if parts is None and compress:
-            parts, mode = [plane_compressor().compress(plane)], MODE_ZSTD
-        stored = sum(len(p) for p in parts) if parts is not None else plane.nbytes
-        if parts is None or stored >= plane.nbytes:
-            parts, mode, stored = [plane], MODE_RAW, plane.nbytes
+    for plane, compress in zip(planes, worth):
+        parts, mode, stored = [plane], MODE_RAW, plane.nbytes
+        if compress and plane.size:
+            coded = huffman.encode(plane)
+            coded_nbytes = sum(memoryview(p).nbytes for p in coded)
+            if coded_nbytes < plane.nbytes:
+                parts, mode, stored = coded, MODE_HUFFMAN, coded_nbytes
         table.append(_PLANE.pack(mode, stored))
         for part in parts:
             crc = crc32(part, crc)
@@ -140,9 +127,9 @@ def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:
     """The skippable frame (as parts) of one planes-container chunk: planes (of ``itemsize``-byte float
     elements; 0: not floats), zstd or raw."""
     parts: list[Any] | None = None
-    choice = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
-    if choice is not None:
-        parts = encode_planes(view, itemsize, *choice)
+    worth = choose_planes(view, itemsize, level) if itemsize and view.nbytes >= itemsize else None
+    if worth is not None:
+        parts = encode_planes(view, itemsize, worth)
     if parts is None:
         packed = compressor(level).compress(view)
         if len(packed) < view.nbytes:
@@ -194,6 +181,9 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
             actual_crc = crc32(blob, actual_crc)
         if mode == MODE_RAW:
             planes.append(np.frombuffer(blob, dtype=np.uint8))
+        elif mode == MODE_HUFFMAN:
+            planes.append(decoded[i])
+            huffman.decode_into(blob, decoded[i])
         elif mode == MODE_ZSTD:
             planes.append(decoded[i])
             zstd_decompress_slack(blob, flat[i * count : (i + 1) * count + 1])  # slack: next plane's
@@ -285,7 +275,7 @@ def read_chunk_layout(frame: memoryview, native_nbytes: int) -> ChunkLayout:
     planes = []
     for i in range(itemsize):
         mode, stored = _PLANE.unpack_from(frame, body[0] + _PLANE.size * i)
-        if pos + stored > frame.nbytes or mode not in (MODE_RAW, MODE_ZSTD, MODE_NIBBLES) or (
+        if pos + stored > frame.nbytes or mode not in (MODE_RAW, MODE_ZSTD, MODE_NIBBLES, MODE_HUFFMAN) or (
                 mode == MODE_RAW and stored != count) or (mode == MODE_NIBBLES and stored < NIBBLES.size):
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {stored} bytes stored, "
                                          f"{frame.nbytes - pos} left in the chunk)")

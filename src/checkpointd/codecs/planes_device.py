@@ -30,12 +30,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from checkpointd.codecs import huffman, huffman_device
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
 from checkpointd.codecs.crc import crc32
 from checkpointd.codecs.plane_kernels import ESCAPE, NIBBLES
 from checkpointd.codecs.planes import (
     KIND_PLANES,
     KIND_RAW,
+    MODE_HUFFMAN,
     MODE_NIBBLES,
     MODE_RAW,
     ChunkLayout,
@@ -65,13 +67,16 @@ class _Chunk:
     native: tuple[int, int]
     layout: ChunkLayout
     decoded: list[tuple[int, int, int, int]]
-    """Per plane: ``(start, stop)`` of its host-decoded bytes in the upload buffer (empty: stored raw), and
-    for a nibble plane its base and escape count (else zeros)."""
+    """Per plane: ``(start, stop)`` of its host-decoded bytes in the upload buffer (empty: stored raw or
+    decoded on the device), and for a nibble plane its base and escape count (else zeros)."""
+    on_device: dict[int, huffman.PlaneAt] = field(default_factory=dict)
+    """Planes decoded on the device, by plane index (their bytes: :attr:`~checkpointd.codecs.huffman.PlaneAt.dst` in the
+    device's decode buffer)."""
 
     def group(self) -> tuple:
         """Chunks of one group are merged together: the same element size, count and plane modes."""
         lay = self.layout
-        return lay.itemsize, lay.count, lay.rotated, tuple(mode for mode, _, _ in lay.planes)
+        return lay.itemsize, lay.count, lay.rotated, tuple(mode for mode, _, _ in lay.planes), tuple(self.on_device)
 
 
 def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
@@ -92,7 +97,7 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     if stored_data.numel() != stored.nbytes:
         raise ValueError(f"the device copy has {stored_data.numel()} bytes, the file {stored.nbytes}")
     frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
-    chunks, decoded_nbytes = _plan(stored, frames, natives)
+    chunks, decoded_nbytes, on_device_nbytes = _plan(stored, frames, natives, huffman_device.available(device))
     host = torch.empty(natives[-1], dtype=torch.uint8)
     scratch = torch.empty(decoded_nbytes, dtype=torch.uint8)
     host_np, scratch_np = host.numpy(), scratch.numpy()
@@ -118,11 +123,14 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
             pairs.append((data[a:b], host[a:b]))
     (upload or _copy_pairs)(pairs)
     bad = torch.zeros((), dtype=torch.bool, device=device)
+    device_planes = torch.empty(on_device_nbytes, dtype=torch.uint8, device=device)
+    huffman_device.decode(stored_data, device_planes, [p for c in chunks for p in c.on_device.values()], bad)
     for group in groups.values():
-        _merge(group, stored_data, scratch_data, data, bad)
+        _merge(group, stored_data, scratch_data, device_planes, data, bad)
     if bool(bad.item()):
-        raise CorruptCheckpointError("a nibble plane of the 'zstd-planes' file has a different number of escape "
-                                     "codes than its header says; the file is corrupt, restore another step")
+        raise CorruptCheckpointError("a Huffman plane of the 'zstd-planes' file does not decode to its symbols, or "
+                                     "a nibble plane has a different number of escape codes than its header says; "
+                                     "the file is corrupt, restore another step")
     return OnDevice(host, data, _joined(device_only))
 
 
@@ -131,9 +139,11 @@ def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
-def _plan(stored: memoryview, frames: list[int], natives: list[int]) -> tuple[list[_Chunk], int]:
-    """Every chunk's checked layout and where its host-decoded planes go in the upload buffer."""
-    chunks, cursor = [], 0
+def _plan(stored: memoryview, frames: list[int], natives: list[int],
+          huffman_on_device: bool) -> tuple[list[_Chunk], int, int]:
+    """Every chunk's checked layout, where its host-decoded planes go in the upload buffer and where its
+    device-decoded planes go in the device's decode buffer (the two buffers' sizes come last)."""
+    chunks, cursor, on_device = [], 0, 0
     for i in range(len(frames) - 1):
         native = (natives[i], natives[i + 1])
         if native[0] == native[1]:
@@ -141,20 +151,24 @@ def _plan(stored: memoryview, frames: list[int], natives: list[int]) -> tuple[li
         frame = stored[frames[i] : frames[i + 1]]
         try:
             layout = read_chunk_layout(frame, native[1] - native[0])
+            chunk = _Chunk(i, frames[i], native, layout, [])
+            for j, (mode, start, stop) in enumerate(layout.planes):
+                size, base, escaped = 0, 0, 0
+                if mode == MODE_HUFFMAN and huffman_on_device:
+                    plane = huffman.read_plane(frame[start:stop], layout.count)
+                    chunk.on_device[j] = huffman.PlaneAt(frames[i] + start, plane, on_device, layout.count)
+                    on_device += -(-layout.count // 16) * 16  # 16-byte aligned: the kernel stores whole words
+                elif mode == MODE_NIBBLES:
+                    base, escaped = NIBBLES.unpack_from(frame, start)
+                    size = (layout.count + 1) // 2 + escaped
+                elif mode != MODE_RAW:
+                    size = layout.count
+                chunk.decoded.append((cursor, cursor + size, base, escaped))
+                cursor += size
         except CorruptCheckpointError as exc:
             raise _in_chunk(exc, i, frames[i]) from exc
-        decoded = []
-        for mode, start, _stop in layout.planes:
-            size, base, escaped = 0, 0, 0
-            if mode == MODE_NIBBLES:
-                base, escaped = NIBBLES.unpack_from(frame, start)
-                size = (layout.count + 1) // 2 + escaped
-            elif mode != MODE_RAW:
-                size = layout.count
-            decoded.append((cursor, cursor + size, base, escaped))
-            cursor += size
-        chunks.append(_Chunk(i, frames[i], native, layout, decoded))
-    return chunks, cursor
+        chunks.append(chunk)
+    return chunks, cursor, on_device
 
 
 def _host_work(stored: memoryview, c: _Chunk, host: np.ndarray, scratch: np.ndarray, check_crc: bool) -> None:
@@ -169,16 +183,19 @@ def _host_work(stored: memoryview, c: _Chunk, host: np.ndarray, scratch: np.ndar
             copy_into(host[a:b], frame[lay.body[0] : lay.body[1]])
         elif lay.kind != KIND_PLANES:
             zstd_decompress_into(frame[lay.body[0] : lay.body[1]], host[a:b])
-        for (mode, start, stop), (lo, hi, _, _) in zip(lay.planes, c.decoded):
+        for j, ((mode, start, stop), (lo, hi, _, _)) in enumerate(zip(lay.planes, c.decoded)):
             if mode == MODE_NIBBLES:
                 zstd_decompress_into(frame[start + NIBBLES.size : stop], scratch[lo:hi])
-            elif mode != MODE_RAW:
+            elif mode == MODE_HUFFMAN and j not in c.on_device:
+                huffman.decode_into(frame[start:stop], scratch[lo:hi])
+            elif mode != MODE_RAW and j not in c.on_device:
                 zstd_decompress_into(frame[start:stop], scratch[lo:hi])
     except CorruptCheckpointError as exc:
         raise _in_chunk(exc, c.index, c.frame) from exc
 
 
-def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> None:
+def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, device_planes: torch.Tensor,
+           out: torch.Tensor, bad: torch.Tensor) -> None:
     """The native bytes of a group of planes chunks (one :meth:`_Chunk.group`) into ``out``, on the device:
     a fixed number of device operations for the whole group, one copy per run of adjacent chunks."""
     lay = group[0].layout
@@ -191,6 +208,8 @@ def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, out
                                              for c in group]))
             elif mode == MODE_NIBBLES:
                 planes.append(_unpack_nibbles(scratch, [c.decoded[j] for c in group], n, bad))
+            elif j in group[0].on_device:
+                planes.append(_rows(device_planes, [(c.on_device[j].dst, c.on_device[j].dst + n) for c in group]))
             else:
                 planes.append(_rows(scratch, [c.decoded[j][:2] for c in group]))
         merged = torch.stack(planes, dim=2)  # (chunks, n, itemsize): element bytes, least significant first

@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 1
+ABI = 2
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -33,8 +33,13 @@ def declare(lib: Any) -> None:
                                       ctypes.c_void_p, ctypes.c_void_p, i32, ctypes.c_void_p]
     lib.cpd_split_planes.restype = i64
     lib.cpd_split_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cpd_pack_nibbles.restype = i64
-    lib.cpd_pack_nibbles.argtypes = [ctypes.c_void_p, i64, i32, ctypes.c_void_p, i64]
+    lib.cpd_histogram.restype = None
+    lib.cpd_histogram.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p]
+    lib.cpd_huffman_encode.restype = i64
+    lib.cpd_huffman_encode.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p,
+                                       ctypes.c_void_p, i64]
+    lib.cpd_huffman_blocks.restype = i64
+    lib.cpd_huffman_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p]
 
 
 LIBRARY = NativeLibrary("planes_native", ("cpd_abi", ABI), declare, "native plane kernels",
@@ -85,6 +90,26 @@ def split_planes(lib: Any, view: Any, itemsize: int, count: int, planes: np.ndar
         raise ValueError(f"cpd_split_planes refused itemsize {itemsize}")
 
 
-def pack_nibbles(lib: Any, plane: np.ndarray, base: int, packed: np.ndarray, max_escapes: int) -> int:
-    """Nibble codes then escapes of ``plane`` into ``packed``; the escape count, or -1 past ``max_escapes``."""
-    return int(lib.cpd_pack_nibbles(int(plane.ctypes.data), plane.size, base, int(packed.ctypes.data), max_escapes))
+def histogram(lib: Any, plane: np.ndarray) -> np.ndarray:
+    """How often each byte value occurs in ``plane`` (256 int64 counts)."""
+    counts = np.zeros(256, dtype=np.int64)
+    lib.cpd_histogram(address(plane), plane.size, counts.ctypes.data)
+    return counts
+
+
+def huffman_encode(lib: Any, plane: np.ndarray, codes: np.ndarray, lengths: np.ndarray, block: int,
+                   ends: np.ndarray, out: np.ndarray) -> int:
+    """Bit stream of ``plane`` into ``out``, block ends into ``ends`` (uint32); its bytes, or -1 past ``out``."""
+    got = lib.cpd_huffman_encode(address(plane), plane.size, codes.ctypes.data, lengths.ctypes.data, block,
+                                 ends.ctypes.data, out.ctypes.data, out.nbytes)
+    if got == -2:
+        raise ValueError("a symbol of the plane has no code")
+    return int(got)
+
+
+def huffman_blocks(lib: Any, src: Any, dst: np.ndarray, blocks: np.ndarray, tables: np.ndarray) -> int:
+    """Decode Huffman blocks (:func:`checkpointd.codecs.huffman.block_table`) from ``src`` into ``dst``;
+    0, or ``k + 1`` for a block ``k`` that does not decode."""
+    assert blocks.dtype == np.int64 and blocks.flags.c_contiguous and tables.dtype == np.uint16
+    return int(lib.cpd_huffman_blocks(address(src), dst.ctypes.data, blocks.ctypes.data, blocks.shape[0],
+                                      tables.ctypes.data))

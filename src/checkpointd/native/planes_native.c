@@ -1,23 +1,25 @@
 /* Byte-plane kernels of checkpointd's "zstd-planes" codec, one pass each.
  *
- * The NumPy kernels in codecs/planes.py make several passes over a chunk (widen, shift, OR,
- * rotate, nibble unpack, escape fix-up), each a separate call that drops and retakes the GIL. These
- * do the same work in one pass over cache-sized blocks and are called through ctypes, which releases
- * the GIL for the whole call. The formats are exactly those of codecs/planes.py: both sides must
+ * The NumPy kernels in codecs/plane_kernels.py and codecs/huffman.py make several passes over a chunk
+ * (widen, shift, OR, rotate, nibble unpack, escape fix-up), each a separate call that drops and retakes
+ * the GIL. These do the same work in one pass over cache-sized blocks and are called through ctypes,
+ * which releases the GIL for the whole call. The formats are those of docs/format.md: both sides must
  * produce and accept the same bytes (tests compare them).
  *
  * Planes format: each element (2, 4 or 8 bytes, little-endian) is rotated left by one bit, then byte j
- * of every element goes to plane j. A nibble plane stores 4-bit codes (value - base, 15 for an escape):
- * code k in the high nibble of byte k for k < h = ceil(n / 2), code h + k in its low nibble; the
- * escaped values follow, in element order.
+ * of every element goes to plane j. Planes are written raw or Huffman-coded (below). A nibble plane
+ * (read only: earlier releases wrote them) stores 4-bit codes (value - base, 15 for an escape): code k
+ * in the high nibble of byte k for k < h = ceil(n / 2), code h + k in its low nibble; the escaped
+ * values follow, in element order.
  *
  * Built by `pip install` as an optional extension of setup.py (-O3, no -march: a wheel may run on
  * other hosts) and loaded by native/planes.py with ctypes. Plain C99, no Python headers.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define CPD_ABI 1
+#define CPD_ABI 2
 #define BLOCK 4096 /* elements per block: a block's unpacked planes stay in L1/L2 */
 #define SUB 256    /* escapes are looked for in sub-blocks that contain one (rare) */
 #define MAX_ITEMSIZE 8
@@ -28,13 +30,6 @@ int cpd_abi(void) { return CPD_ABI; }
 static int any_equal(const uint8_t *p, int64_t n, uint8_t v) {
     uint8_t acc = 0;
     for (int64_t i = 0; i < n; i++) acc |= (uint8_t)(p[i] == v);
-    return acc;
-}
-
-/* Whether any byte of p[0..n) lies outside base .. base + 14. */
-static int any_escape(const uint8_t *p, int64_t n, uint8_t base) {
-    uint8_t acc = 0;
-    for (int64_t i = 0; i < n; i++) acc |= (uint8_t)((uint8_t)(p[i] - base) >= 15);
     return acc;
 }
 
@@ -151,31 +146,233 @@ int64_t cpd_split_planes(int32_t itemsize, int64_t count, const uint8_t *in, uin
     return 0;
 }
 
-/* Nibble-pack a plane of count values: packed gets ceil(count / 2) code bytes, then the escaped values
- * (those outside base .. base + 14) in element order. Returns the escape count, or -1 once it would
- * exceed max_escapes (packed must hold ceil(count / 2) + max_escapes bytes). */
-int64_t cpd_pack_nibbles(const uint8_t *plane, int64_t count, int32_t base, uint8_t *packed, int64_t max_escapes) {
-    int64_t half = (count + 1) / 2, n_esc = 0;
-    uint8_t b = (uint8_t)base;
-    for (int64_t k = 0; k < count - half; k++) { /* every code byte with both nibbles */
-        uint8_t hi = (uint8_t)(plane[k] - b), lo = (uint8_t)(plane[k + half] - b);
-        hi = hi < 15 ? hi : 15;
-        lo = lo < 15 ? lo : 15;
-        packed[k] = (uint8_t)((hi << 4) | lo);
+/* ---- Huffman-coded planes (mode 3 of codecs/huffman.py) ----
+ * A plane of n byte symbols is cut into blocks of B symbols; each block's codes follow the previous
+ * block's in one bit stream, read least significant bit first (bit i is bit i % 8 of byte i / 8). A
+ * code's first bit is its most significant (canonical codes, stored bit-reversed). ends[k] is the bit
+ * where block k ends. Decoding goes through a table of 2^11 entries indexed by the next 11 bits:
+ * entry = length << 8 | symbol, 0 for bit patterns that start no code. */
+
+#define HUFF_BITS 11
+
+/* counts[v] += number of bytes equal to v in p[0..n) (counts: 256 int64, zeroed by the caller). */
+void cpd_histogram(const uint8_t *p, int64_t n, int64_t *counts) {
+    int64_t c[4][256];
+    memset(c, 0, sizeof c);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        c[0][p[i]]++;
+        c[1][p[i + 1]]++;
+        c[2][p[i + 2]]++;
+        c[3][p[i + 3]]++;
     }
-    if (count & 1) { /* the last code byte has no low nibble */
-        uint8_t hi = (uint8_t)(plane[half - 1] - b);
-        packed[half - 1] = (uint8_t)((hi < 15 ? hi : 15) << 4);
+    for (; i < n; i++) c[0][p[i]]++;
+    for (int v = 0; v < 256; v++) counts[v] += c[0][v] + c[1][v] + c[2][v] + c[3][v];
+}
+
+/* Encode n symbols with codes[v] (bit-reversed, so the first bit to read is bit 0) of lens[v] bits
+ * (1..HUFF_BITS; a symbol of length 0 must not occur). Block k ends at bit ends[k]. Returns the stream's
+ * bytes, or -1 if out (cap bytes) could be too small, or -2 if a symbol has no code. Four codes (at most
+ * 44 bits) are joined before they go into the 64-bit accumulator, which is then stored whole (8 bytes,
+ * unaligned) and advanced by its complete bytes: no dependency on the bit count inside the four. */
+int64_t cpd_huffman_encode(const uint8_t *plane, int64_t n, const uint16_t *codes, const uint8_t *lens,
+                           int64_t block, uint32_t *ends, uint8_t *out, int64_t cap) {
+    uint32_t entry[256]; /* code << 4 | length */
+    for (int v = 0; v < 256; v++) entry[v] = (uint32_t)codes[v] << 4 | lens[v];
+    if (cap < (n * HUFF_BITS + 7) / 8 + 16) return -1;
+    uint64_t acc = 0;
+    int have = 0;
+    uint8_t *dst = out;
+    int64_t bits = 0;
+    for (int64_t s = 0, k = 0; s < n; s += block, k++) {
+        int64_t e = s + block < n ? s + block : n, i = s;
+        for (; i + 4 <= e; i += 4) {
+            uint32_t a = entry[plane[i]], b = entry[plane[i + 1]], c = entry[plane[i + 2]], d = entry[plane[i + 3]];
+            int la = a & 15, lb = b & 15, lc = c & 15, ld = d & 15;
+            if (!la || !lb || !lc || !ld) return -2;
+            uint64_t v = (uint64_t)(a >> 4) | (uint64_t)(b >> 4) << la | (uint64_t)(c >> 4) << (la + lb) |
+                         (uint64_t)(d >> 4) << (la + lb + lc);
+            acc |= v << have; /* have <= 7 here, v <= 44 bits */
+            have += la + lb + lc + ld;
+            memcpy(dst, &acc, 8);
+            dst += have >> 3;
+            acc = have >= 64 ? 0 : acc >> (have & ~7);
+            have &= 7;
+            bits += la + lb + lc + ld;
+        }
+        for (; i < e; i++) {
+            uint32_t a = entry[plane[i]];
+            int la = a & 15;
+            if (!la) return -2;
+            acc |= (uint64_t)(a >> 4) << have;
+            have += la;
+            memcpy(dst, &acc, 8);
+            dst += have >> 3;
+            acc >>= have & ~7;
+            have &= 7;
+            bits += la;
+        }
+        ends[k] = (uint32_t)bits;
     }
-    uint8_t *esc = packed + half;
-    for (int64_t s = 0; s < count; s += SUB) {
-        int64_t e = s + SUB < count ? s + SUB : count;
-        if (!any_escape(plane + s, e - s, b)) continue;
-        for (int64_t i = s; i < e; i++) {
-            if ((uint8_t)(plane[i] - b) < 15) continue;
-            if (n_esc >= max_escapes) return -1;
-            esc[n_esc++] = plane[i];
+    if (have) *dst++ = (uint8_t)acc;
+    return dst - out;
+}
+
+typedef struct {
+    int64_t pos, stop, last, left;
+    uint8_t *out;
+    const uint16_t *table;
+} huff_cursor;
+
+/* Up to 5 symbols of one block from a single unaligned 8-byte load (57 bits >= 5 x 11): only while the
+ * 8 bytes lie within the block's bytes. Returns 0, 1 for a bit pattern that starts no code, or 2 when
+ * the fast path no longer applies. */
+static inline int huff_fast5(const uint8_t *src, huff_cursor *c) {
+    int64_t pos = c->pos;
+    if (c->left < 5 || (pos >> 3) + 8 > c->last) return 2;
+    uint64_t acc, syms = 0;
+    memcpy(&acc, src + (pos >> 3), 8);
+    acc >>= pos & 7;
+    int used = 0, bad = 0;
+    for (int j = 0; j < 5; j++) { /* symbols gathered in a register: a byte store could alias the cursor */
+        uint16_t e = c->table[acc & ((1u << HUFF_BITS) - 1)];
+        int len = e >> 8;
+        bad |= !len;
+        syms |= (uint64_t)(e & 255) << (8 * j);
+        acc >>= len;
+        used += len;
+    }
+    memcpy(c->out, &syms, 5);
+    c->out += 5;
+    c->left -= 5;
+    c->pos = pos + used;
+    return bad;
+}
+
+/* The rest of a block, a symbol at a time; bytes at or past the block's last read as zeros. Returns 0,
+ * or 1 if the block's bits do not decode to exactly its symbols ending at its end. */
+static int huff_finish(const uint8_t *src, huff_cursor *c) {
+    for (; c->left > 0; c->left--) {
+        if (c->pos > c->stop) return 1;
+        uint64_t acc = 0;
+        int64_t byte = c->pos >> 3;
+        for (int j = 0; j < 3; j++) acc |= (uint64_t)(byte + j < c->last ? src[byte + j] : 0) << (8 * j);
+        uint16_t e = c->table[(acc >> (c->pos & 7)) & ((1u << HUFF_BITS) - 1)];
+        int len = e >> 8;
+        if (!len) return 1;
+        *c->out++ = (uint8_t)e;
+        c->pos += len;
+    }
+    return c->pos != c->stop;
+}
+
+#define HUFF_LANES 4 /* blocks decoded together: independent dependency chains for the core to overlap */
+
+/* Pair tables: for each 11-bit window, the first code's symbol and, when the second code also lies
+ * wholly in the window, its symbol too: entry = count << 24 | bits << 16 | second << 8 | first, 0 for a
+ * window that starts no code. Two symbols per lookup where codes are short (exponents: ~2.6 bits). */
+static void huff_pairs(const uint16_t *table, uint32_t *pairs) {
+    for (uint32_t w = 0; w < (1u << HUFF_BITS); w++) {
+        uint16_t e1 = table[w];
+        uint32_t l1 = e1 >> 8;
+        if (!l1) {
+            pairs[w] = 0;
+            continue;
+        }
+        uint16_t e2 = table[(w >> l1) & ((1u << HUFF_BITS) - 1)];
+        uint32_t l2 = e2 >> 8;
+        if (l2 && l1 + l2 <= HUFF_BITS)
+            pairs[w] = 2u << 24 | (l1 + l2) << 16 | (uint32_t)(e2 & 255) << 8 | (e1 & 255);
+        else
+            pairs[w] = 1u << 24 | l1 << 16 | (e1 & 255);
+    }
+}
+
+/* Decode n blocks. blocks: per block four int64 (first bit and end bit in src, output offset in dst,
+ * table index << 32 | symbols), made by the caller from checked plane headers; tables: 2^HUFF_BITS
+ * entries per plane. The contract of the GPU kernel (codecs/huffman_device.py), on the CPU: every block
+ * reads only its own bytes. Returns 0, k + 1 for a bad block k (one of four decoded together), or -1
+ * when out of memory. */
+int64_t cpd_huffman_blocks(const uint8_t *src, uint8_t *dst, const int64_t *blocks, int64_t n,
+                           const uint16_t *tables) {
+    int64_t n_tables = 0;
+    for (int64_t k = 0; k < n; k++) n_tables = (blocks[4 * k + 3] >> 32) + 1 > n_tables ? (blocks[4 * k + 3] >> 32) + 1 : n_tables;
+    uint32_t *pairs = malloc((size_t)(n_tables ? n_tables : 1) << HUFF_BITS << 2);
+    if (!pairs) return -1;
+    for (int64_t t = 0; t < n_tables; t++) huff_pairs(tables + (t << HUFF_BITS), pairs + (t << HUFF_BITS));
+    int64_t result = 0;
+    for (int64_t k0 = 0; k0 < n && !result; k0 += HUFF_LANES) {
+        int lanes = n - k0 < HUFF_LANES ? (int)(n - k0) : HUFF_LANES;
+        huff_cursor c[HUFF_LANES];
+        for (int j = 0; j < lanes; j++) {
+            const int64_t *b = blocks + 4 * (k0 + j);
+            c[j].pos = b[0];
+            c[j].stop = b[1];
+            c[j].last = (b[1] + 7) >> 3;
+            c[j].out = dst + b[2];
+            c[j].left = b[3] & 0xffffffff;
+            c[j].table = tables + ((b[3] >> 32) << HUFF_BITS);
+            if (b[0] > b[1]) result = k0 + j + 1;
+        }
+        if (result) break;
+        if (lanes == HUFF_LANES) { /* all four in registers while each has 8 symbols and 8 bytes left */
+            int64_t p[HUFF_LANES], lim[HUFF_LANES], left[HUFF_LANES];
+            uint8_t *o[HUFF_LANES];
+            const uint32_t *t[HUFF_LANES];
+            for (int j = 0; j < HUFF_LANES; j++) {
+                p[j] = c[j].pos;
+                lim[j] = (c[j].last - 8) * 8; /* pos below this: 8 bytes at pos / 8 are the block's */
+                o[j] = c[j].out;
+                left[j] = c[j].left;
+                t[j] = pairs + (c[j].table - tables);
+            }
+            int bad = 0;
+            while (left[0] >= 8 && left[1] >= 8 && left[2] >= 8 && left[3] >= 8 && p[0] < lim[0] && p[1] < lim[1] &&
+                   p[2] < lim[2] && p[3] < lim[3]) {
+                uint64_t acc[HUFF_LANES], syms[HUFF_LANES] = {0, 0, 0, 0};
+                int used[HUFF_LANES] = {0, 0, 0, 0}, got[HUFF_LANES] = {0, 0, 0, 0};
+                for (int j = 0; j < HUFF_LANES; j++) {
+                    memcpy(&acc[j], src + (p[j] >> 3), 8);
+                    acc[j] >>= p[j] & 7;
+                }
+                for (int s = 0; s < 4; s++) { /* 4 lookups (44 of the 57 bits), 4 to 8 symbols a lane */
+                    for (int j = 0; j < HUFF_LANES; j++) {
+                        uint32_t e = t[j][acc[j] & ((1u << HUFF_BITS) - 1)];
+                        int len = (e >> 16) & 255;
+                        bad |= !e;
+                        syms[j] |= (uint64_t)(e & 0xffff) << (8 * got[j]);
+                        got[j] += e >> 24;
+                        acc[j] >>= len;
+                        used[j] += len;
+                    }
+                }
+                for (int j = 0; j < HUFF_LANES; j++) {
+                    memcpy(o[j], &syms[j], 8); /* within the block (8 left): later symbols overwrite the rest */
+                    o[j] += got[j];
+                    left[j] -= got[j];
+                    p[j] += used[j];
+                }
+                if (bad) break;
+            }
+            for (int j = 0; j < HUFF_LANES; j++) {
+                c[j].left = left[j];
+                c[j].pos = p[j];
+                c[j].out = o[j];
+            }
+            if (bad) {
+                result = k0 + 1;
+                break;
+            }
+        }
+        for (int j = 0; j < lanes && !result; j++) {
+            while (1) {
+                int r = huff_fast5(src, &c[j]);
+                if (r == 1) result = k0 + j + 1;
+                if (r) break;
+            }
+            if (!result && huff_finish(src, &c[j])) result = k0 + j + 1;
         }
     }
-    return n_esc;
+    free(pairs);
+    return result;
 }

@@ -3,28 +3,31 @@
 Loaded by path by :mod:`checkpointd.storage.persist_process_main`, which imports nothing of the package;
 the codecs are imported here on the first ``encode`` request, with the package as a bare namespace (its
 ``__init__`` imports torch, the codec modules do not): :mod:`checkpointd.codecs.chunked` cuts the stream
-into chunks and writes their frames in order, :mod:`checkpointd.codecs.planes` and
-:mod:`checkpointd.codecs.zstd_frames` encode them, on the process's pool.
+into chunks and hands their frames over in order, :mod:`checkpointd.codecs.planes` and
+:mod:`checkpointd.codecs.zstd_frames` encode them, on the process's pool; a :class:`MappedSink` copies
+them into a mapping of the file on the same pool (memory file systems), a :class:`FileSink` writes them
+with ``pwrite`` (elsewhere).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import sys
 import types
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def encode_file(fd: int, codec: str, level: int, chunk_bytes: int, pieces: list, slabs: dict[int, Any],
-                pool: ThreadPoolExecutor, crc32: Callable[..., int], pwrite_all: Callable[[int, Any, int], None]) -> list[int]:
+def encode_file(codec: str, level: int, chunk_bytes: int, pieces: list, slabs: dict[int, Any],
+                pool: ThreadPoolExecutor, out: Any) -> int:
     """Encode the native file ``pieces`` (inline ``(0, bytes, hint)``, ranges of ``slabs`` ``(1, slab_id, start,
-    length, hint)``) with ``codec`` into ``fd`` from offset 0, cut to its end; ``[size, CRC-32, native size]``."""
+    length, hint)``) with ``codec`` into ``out`` (a :class:`FileSink` or :class:`MappedSink`); the native size."""
     encode, preamble, footer_magic = _encoding(codec, level)
-    out = _FileSink(fd, crc32, pwrite_all)
     encoder = _module("codecs.chunked").ChunkedEncoder(
         encode, out, chunk_bytes=chunk_bytes, executor=pool, max_inflight=2 * pool._max_workers,
         footer_magic=footer_magic, preamble=preamble)
@@ -39,12 +42,25 @@ def encode_file(fd: int, codec: str, level: int, chunk_bytes: int, pieces: list,
         encoder.dtype_hint = hint
         encoder.write(view)
     encoder.close()
-    os.ftruncate(fd, out.offset)
-    return [out.offset, out.crc, encoder.native_nbytes]
+    out.finish()
+    return encoder.native_nbytes
 
 
-class _FileSink:
-    """Encoded bytes into a file front to back with ``pwrite``, their CRC-32 kept as they pass."""
+def encoded_bound(pieces: list, chunk_bytes: int) -> int:
+    """At most how many bytes the encoded file of ``pieces`` takes (what a mapping of it must hold).
+
+    A chunk is stored as it is when coding does not make it smaller, so each costs at most its native
+    bytes and its headers (frame, chunk, a plane table of 8 planes, its seek-table entry: 96 bytes);
+    a file has at most one chunk per ``chunk_bytes`` plus two per piece (the ends of a cut write, a
+    pending chunk flushed before it), the banner and the seek table's own header and footer."""
+    native = sum(len(piece[1]) if piece[0] == 0 else piece[3] for piece in pieces)
+    chunks = native // max(1, chunk_bytes) + 2 * len(pieces) + 2
+    return native + 128 * chunks + 4096
+
+
+class FileSink:
+    """Encoded bytes into a file front to back with ``pwrite``, their CRC-32 kept as they pass (file
+    systems that are not in memory: buffered writes into one file serialise anyway)."""
 
     def __init__(self, fd: int, crc32: Callable[..., int], pwrite_all: Callable[[int, Any, int], None]) -> None:
         self.fd, self._crc32, self._pwrite_all = fd, crc32, pwrite_all
@@ -56,6 +72,61 @@ class _FileSink:
         self.crc = self._crc32(data, self.crc)
         self.offset += data.nbytes
         return data.nbytes
+
+    def finish(self) -> None:
+        """Nothing is pending: every write was done in its call."""
+
+
+class MappedSink:
+    """Encoded bytes copied into a shared mapping of the file by the pool's threads, each part with its
+    own CRC-32, combined in file order.
+
+    Why: the encoded parts arrive in order on one thread, and one thread's ``pwrite`` into a file on
+    tmpfs runs at ~2-3 GB/s (the inode lock serialises them: :mod:`checkpointd.storage.writemode`);
+    copies into a mapping run on every thread at once. At most ``2 x`` the pool's threads parts are
+    pending; :meth:`finish` waits for them all (and must run, even after a failure, before the mapping
+    goes).
+    """
+
+    def __init__(self, base: int, capacity: int, pool: ThreadPoolExecutor, crc32: Callable[..., int],
+                 crc32_combine: Callable[[int, int, int], int]) -> None:
+        self._base, self._capacity, self._pool = base, capacity, pool
+        self._crc32, self._combine = crc32, crc32_combine
+        self._pending: deque[tuple[Future[int], int]] = deque()
+        self._limit = 2 * pool._max_workers
+        self.offset = 0
+        self.crc = 0
+
+    def write(self, data: memoryview) -> int:
+        n = data.nbytes
+        if self.offset + n > self._capacity:
+            raise ValueError(f"encoded file passes its bound of {self._capacity} bytes")
+        if n:
+            self._pending.append((self._pool.submit(self._copy, data, self.offset), n))
+            self.offset += n
+            while len(self._pending) > self._limit or (self._pending and self._pending[0][0].done()):
+                self._fold()
+        return n
+
+    def _copy(self, data: memoryview, offset: int) -> int:
+        source = _module("native.planes").address(data)  # (read-only buffers too)
+        ctypes.memmove(self._base + offset, source, data.nbytes)  # ctypes calls drop the GIL
+        return int(self._crc32(data))
+
+    def _fold(self) -> None:
+        future, n = self._pending.popleft()
+        self.crc = self._combine(self.crc, future.result(), n)
+
+    def finish(self) -> None:
+        """Wait for every pending copy; the first failure is raised once all have ended."""
+        failure = None
+        while self._pending:
+            try:
+                self._fold()
+            except BaseException as exc:  # noqa: BLE001 - the others must end before the mapping goes
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def _module(name: str) -> Any:

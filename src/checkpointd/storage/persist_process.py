@@ -181,7 +181,7 @@ class PersistProcess:
         ``[size, CRC-32, native size]``. The caller may close ``fd`` once the future is done."""
         for slab in slabs:
             self.map_slab(slab)
-        return self._submit(("encode", codec, level, chunk_bytes, pieces), fd)
+        return self._submit(("encode", codec, level, chunk_bytes, writemode.persist_mode(fd)[0], pieces), fd)
 
     def exclusive(self, st: os.stat_result, timeout: float = 10.0) -> bool | None:
         """Whether the process keeps a mapping of the file ``st`` describes and that is its only open

@@ -83,7 +83,8 @@ class Server:
         self.slabs: dict[int, Slab] = {}
         self.send_lock = threading.Lock()
         self.writes: set[threading.Thread] = set()
-        self.crc32 = _load("codecs/crc.py").crc32
+        crc = _load("codecs/crc.py")
+        self.crc32, self.crc32_combine = crc.crc32, crc.crc32_combine
         self.run_in_lanes = _load("storage/lanes.py").run_in_lanes
         fsinfo = _load("storage/fsinfo.py")
         self.writeback_starter = fsinfo.writeback_starter
@@ -230,16 +231,32 @@ class Server:
         self._answer(request_id, None, lambda: list(self.pool.map(one, ranges)))
 
     def encode(self, message: tuple, fd: int) -> None:
-        _kind, request_id, codec, level, chunk_bytes, pieces = message[:6]
-        self._answer(request_id, fd, lambda: self._encode(fd, codec, level, chunk_bytes, pieces))
+        _kind, request_id, codec, level, chunk_bytes, mode, pieces = message[:7]
+        self._answer(request_id, fd, lambda: self._encode(fd, codec, level, chunk_bytes, mode, pieces))
 
-    def _encode(self, fd: int, codec: str, level: int, chunk_bytes: int, pieces: list) -> list[int]:
-        """Encode the native file ``pieces`` with ``codec`` into ``fd`` (:func:`checkpointd.storage.persist_codecs.encode_file`)."""
+    def _encode(self, fd: int, codec: str, level: int, chunk_bytes: int, mode: str, pieces: list) -> list[int]:
+        """Encode the native file ``pieces`` with ``codec`` into ``fd`` (:func:`checkpointd.storage.persist_codecs.encode_file`):
+        through a kept mapping sized to the encoded file's bound in ``mmap`` mode, then cut to its end."""
         check_writable(fd)
         self._count_saving(1)
         try:
-            return _codecs.encode_file(fd, codec, level, chunk_bytes, pieces, self.slabs, self.pool, self.crc32,
-                                       self.pwrite_all)
+            if mode != "mmap":
+                out = _codecs.FileSink(fd, self.crc32, self.pwrite_all)
+                native = _codecs.encode_file(codec, level, chunk_bytes, pieces, self.slabs, self.pool, out)
+            else:
+                capacity = _codecs.encoded_bound(pieces, chunk_bytes)
+                os.posix_fallocate(fd, 0, capacity)  # (a full disk: ENOSPC here, never SIGBUS in a copy)
+                kept = self._checkout(fd, capacity)
+                out = _codecs.MappedSink(kept.base, capacity, self.pool, self.crc32, self.crc32_combine)
+                try:
+                    native = _codecs.encode_file(codec, level, chunk_bytes, pieces, self.slabs, self.pool, out)
+                finally:
+                    try:
+                        out.finish()  # (again after a failure: no copy may still run when the mapping goes)
+                    finally:
+                        self._checkin(kept)
+            os.ftruncate(fd, out.offset)
+            return [out.offset, out.crc, native]
         finally:
             self._count_saving(-1)
 

@@ -34,11 +34,12 @@ Requests (the first field names the kind, the second is the request id where an 
   the kept descriptor), ``None`` if it keeps none; replies ``("ok", request_id, True | False | None)``;
 - ``("crc", request_id, ranges)``: the CRC-32 of each ``(slab_id, slab_offset, length)`` of ``ranges``,
   computed by the process's threads; replies ``("ok", request_id, crcs)``;
-- ``("encode", request_id, codec, level, chunk_bytes, pieces)`` + the open file: write the native file
+- ``("encode", request_id, codec, level, chunk_bytes, mode, pieces)`` + the open file: write the native file
   whose bytes are ``pieces``, in order (``(0, bytes, hint)`` inline or ``(1, slab_id, slab_offset,
   length, hint)``; ``hint``: the element size of a float record's bytes, else 0), encoded with the
   codec ``codec`` (``"zstd"`` or ``"zstd-planes"``, :mod:`checkpointd.codecs.compress`) at ``level`` in
-  chunks of ``chunk_bytes``, front to back from offset 0 (the file is cut to its end); replies
+  chunks of ``chunk_bytes``, front to back from offset 0 (``mode`` ``"mmap"``: through a mapping of the
+  file, reserved to a bound of the encoded size first; else by ``pwrite``; the file is cut to its end); replies
   ``("ok", request_id, [size, CRC-32 of the file, native size])`` or a failure as ``write``;
 - ``("exit",)``: the process exits (as it does when the socket closes).
 """

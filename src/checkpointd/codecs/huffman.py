@@ -1,0 +1,308 @@
+"""Huffman-coded byte planes: the entropy stage of ``zstd-planes`` that a GPU can decode, safely, in parallel.
+
+Why not zstd for the exponent planes: a restore into CUDA tensors decodes a planes file on the device
+(:mod:`checkpointd.codecs.planes_device`), and the only GPU zstd decoder at hand (nvCOMP's) is
+documented to take valid input only, which checkpoint bytes are not. A plane coded here is cut into
+blocks of :data:`BLOCK` symbols whose bit offsets are stored, so every block decodes on its own (one
+GPU thread each, :mod:`checkpointd.restore.device_huffman`), and a decoder of this format is simple
+enough to make safe on any input: it reads only its block's bytes, and a block that does not decode to
+exactly its symbols ending at exactly its end is refused. On exponent planes the ratio is zstd's (whose
+literals are Huffman-coded too), and the C coder runs at 1-2 GB/s a core, as fast as zstd here.
+
+The stored plane (``docs/format.md``, plane mode 3)::
+
+    <u32 block symbols B><u32 block count K>     K = ceil(n / B)
+    128 bytes of code lengths                    symbol 2i in the low nibble of byte i, 2i + 1 in the high
+    K x <u32 end>                                the bit where block k ends (block 0 starts at bit 0)
+    the bit stream                               exactly ceil(end[K - 1] / 8) bytes
+
+Code lengths are 0 (no code) to :data:`MAX_BITS`; codes are canonical (ordered by length, then
+symbol); bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``, and a code's most significant
+bit comes first.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from checkpointd.codecs.zstd_frames import scratch
+from checkpointd.errors import CorruptCheckpointError
+from checkpointd.native import planes as planes_native
+
+HEADER = struct.Struct("<II")
+"""Block symbols, block count."""
+MAX_BITS = 11
+"""Longest code: a decode table of 2**11 entries (4 KiB) stays in a GPU's L1 and a core's L1."""
+BLOCK = 4096
+"""Symbols per block written: 32 bits of offset per 4096 symbols (0.008 bits each), and enough blocks
+for a GPU (a 4 MiB plane: 1024 threads)."""
+_LENGTHS_NBYTES = 128
+_MAX_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoredPlane:
+    """The checked layout of a stored Huffman plane of ``count`` symbols (offsets within the stored bytes)."""
+
+    lengths: np.ndarray
+    block: int
+    ends: np.ndarray
+    stream: tuple[int, int]
+
+
+def code_lengths(counts: np.ndarray) -> np.ndarray:
+    """Huffman code lengths (uint8, 256) for byte counts, at most :data:`MAX_BITS`; 0 for absent bytes.
+
+    Lengths over the limit are avoided by halving the counts (keeping every present byte at least 1)
+    until the tree fits: on exponent planes the limit is almost never reached, and then costs <0.1%.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    lengths = np.zeros(256, dtype=np.uint8)
+    if present.size == 0:
+        return lengths
+    if present.size == 1:
+        lengths[present[0]] = 1
+        return lengths
+    weights = counts[present]
+    while True:
+        depth = _tree_depths(weights)
+        if depth.max() <= MAX_BITS:
+            lengths[present] = depth
+            return lengths
+        weights = np.maximum(weights >> 1, 1)
+
+
+def _tree_depths(weights: np.ndarray) -> np.ndarray:
+    heap = [(int(w), i) for i, w in enumerate(weights)]
+    heapq.heapify(heap)
+    parent = list(range(len(weights)))
+    nxt = len(weights)
+    while len(heap) > 1:
+        w1, a = heapq.heappop(heap)
+        w2, b = heapq.heappop(heap)
+        parent.append(nxt)
+        parent[a] = parent[b] = nxt
+        heapq.heappush(heap, (w1 + w2, nxt))
+        nxt += 1
+    depth = [0] * nxt
+    for node in range(nxt - 2, -1, -1):  # parents are numbered after their children
+        depth[node] = depth[parent[node]] + 1
+    return np.array(depth[: len(weights)], dtype=np.int64)
+
+
+_REVERSED = np.array([int(f"{i:0{MAX_BITS}b}"[::-1], 2) for i in range(1 << MAX_BITS)], dtype=np.int64)
+"""Each 11-bit number with its bits in reverse order."""
+
+
+def _code_starts(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The coded bytes in canonical order (by length, then value) and where each code starts among the
+    ``2**MAX_BITS`` 11-bit patterns read most significant bit first: a canonical code, padded with
+    zeros to 11 bits, is the sum of ``2**(11 - length)`` over the codes before it."""
+    present = np.flatnonzero(lengths)
+    order = present[np.lexsort((present, lengths[present]))]
+    widths = np.left_shift(1, MAX_BITS - lengths[order].astype(np.int64))
+    return order, np.cumsum(widths) - widths
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Each byte's code (uint16), bit-reversed so that the bit read first is bit 0."""
+    order, starts = _code_starts(lengths)
+    codes = np.zeros(256, dtype=np.uint16)
+    codes[order] = _REVERSED[starts]  # reversing the padded 11 bits leaves the reversed code in the low bits
+    return codes
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_of(key: bytes) -> np.ndarray:
+    lengths = np.frombuffer(key, dtype=np.uint8)
+    order, starts = _code_starts(lengths)
+    widths = np.left_shift(1, MAX_BITS - lengths[order].astype(np.int64))
+    by_msb = np.zeros(1 << MAX_BITS, dtype=np.uint16)
+    filled = int(widths.sum())
+    by_msb[:filled] = np.repeat((lengths[order].astype(np.uint16) << 8) | order.astype(np.uint16), widths)
+    table = by_msb[_REVERSED]
+    table.flags.writeable = False
+    return table
+
+
+def decode_table(lengths: np.ndarray) -> np.ndarray:
+    """The decode table (uint16, ``2**MAX_BITS``, read-only): entry ``length << 8 | byte`` for every bit
+    pattern (read least significant bit first) that starts with that byte's code, 0 for patterns that
+    start no code. Planes of like tensors share code lengths, so tables are kept for reuse."""
+    return _table_of(np.ascontiguousarray(lengths, dtype=np.uint8).tobytes())
+
+
+def encode(plane: np.ndarray) -> list[Any]:
+    """A plane (uint8) as stored bytes: ``[header, lengths and block ends, stream]`` (fresh buffers)."""
+    count = plane.size
+    lib = planes_native.library()
+    counts = planes_native.histogram(lib, plane) if lib is not None else np.bincount(plane, minlength=256)
+    lengths = code_lengths(counts)
+    codes = canonical_codes(lengths)
+    blocks = -(-count // BLOCK)
+    ends = np.empty(blocks, dtype=np.uint32)
+    if lib is not None:
+        stream = scratch("huffman", (count * MAX_BITS + 7) // 8 + 16)
+        stream = stream[: planes_native.huffman_encode(lib, plane, codes, lengths, BLOCK, ends, stream)].copy()
+    else:
+        stream = _encode_numpy(plane, codes, lengths, ends)
+    packed = (lengths[0::2] | (lengths[1::2] << 4)).astype(np.uint8)
+    return [HEADER.pack(BLOCK, blocks) + packed.tobytes() + ends.astype("<u4").tobytes(), stream]
+
+
+def _encode_numpy(plane: np.ndarray, codes: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The NumPy encoder: every code's set bits placed in a bit array, then packed."""
+    lens = lengths[plane].astype(np.int64)
+    bitpos = np.cumsum(lens)
+    full = bitpos[BLOCK - 1 :: BLOCK][: ends.size]
+    ends[: full.size] = full
+    if plane.size:
+        ends[-1] = bitpos[-1]
+    total = int(bitpos[-1]) if plane.size else 0
+    starts = bitpos - lens
+    syms_codes = codes[plane].astype(np.int64)
+    bits = np.zeros(total, dtype=np.bool_)
+    for t in range(MAX_BITS):
+        has = np.flatnonzero(lens > t)
+        if not has.size:
+            break
+        on = has[(syms_codes[has] >> t) & 1 == 1]
+        bits[starts[on] + t] = True
+    return np.packbits(bits, bitorder="little")
+
+
+def read_plane(stored: Any, count: int) -> StoredPlane:
+    """The checked layout of ``stored`` (a mode-3 plane of ``count`` symbols).
+
+    Raises:
+        CorruptCheckpointError: a header, code lengths, block table or stream size the format does not allow.
+    """
+    view = memoryview(stored).cast("B")
+    if view.nbytes < HEADER.size + _LENGTHS_NBYTES:
+        raise CorruptCheckpointError(f"Huffman plane of {view.nbytes} bytes is too short for its header")
+    block, blocks = HEADER.unpack_from(view)
+    if not 1 <= block <= _MAX_BLOCK or blocks != -(-count // block):
+        raise CorruptCheckpointError(f"Huffman plane of {count} symbols has {blocks} blocks of {block}")
+    lengths, longest, kraft = _lengths(bytes(view[HEADER.size : HEADER.size + _LENGTHS_NBYTES]))
+    if longest > MAX_BITS or kraft > 1 << MAX_BITS or (count and not kraft):
+        raise CorruptCheckpointError(f"Huffman plane has code lengths no prefix code has (longest "
+                                     f"{longest}, Kraft sum {kraft / (1 << MAX_BITS):.3f})")
+    at = HEADER.size + _LENGTHS_NBYTES
+    if view.nbytes < at + 4 * blocks:
+        raise CorruptCheckpointError(f"Huffman plane of {view.nbytes} bytes is too short for {blocks} block ends")
+    ends = np.frombuffer(view, dtype="<u4", count=blocks, offset=at)
+    stream = (at + 4 * blocks, view.nbytes)
+    total = int(ends[-1]) if blocks else 0
+    if (blocks > 1 and (ends[1:] < ends[:-1]).any()) or stream[1] - stream[0] != (total + 7) // 8:
+        raise CorruptCheckpointError(f"Huffman plane's block ends are not increasing or do not end with its "
+                                     f"stream ({stream[1] - stream[0]} bytes, {total} bits)")
+    return StoredPlane(lengths, block, ends, stream)
+
+
+@dataclass(frozen=True)
+class PlaneAt:
+    """A checked plane whose stored bytes start at byte ``src`` of a source buffer, to be decoded into
+    ``count`` bytes at ``dst`` of an output buffer."""
+
+    src: int
+    plane: StoredPlane
+    dst: int
+    count: int
+
+
+def block_table(planes: list[PlaneAt]) -> tuple[np.ndarray, np.ndarray]:
+    """What the block decoders take: per block ``(first bit, end bit, output offset, table << 32 |
+    symbols)`` (int64, ``(blocks, 4)``; bits counted from the source buffer's start), and the decode
+    tables (uint16, ``2**MAX_BITS`` each; planes with the same code lengths share one). A few array
+    operations for all planes together: a restore has hundreds of planes per file."""
+    keys: dict[bytes, int] = {}
+    table_of = [keys.setdefault(p.plane.lengths.tobytes(), len(keys)) for p in planes]
+    sizes = np.array([p.plane.ends.size for p in planes], dtype=np.int64)
+    first = np.cumsum(sizes) - sizes
+    ends = np.concatenate([p.plane.ends for p in planes]).astype(np.int64)
+    starts = np.empty_like(ends)
+    starts[1:] = ends[:-1]
+    starts[first] = 0
+    k = np.arange(ends.size, dtype=np.int64) - np.repeat(first, sizes)
+
+    def each(values: list[int]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=np.int64), sizes)
+
+    base = each([8 * (p.src + p.plane.stream[0]) for p in planes])
+    block = each([p.plane.block for p in planes])
+    symbols = np.minimum(block, each([p.count for p in planes]) - k * block)
+    rows = np.stack([base + starts, base + ends, each([p.dst for p in planes]) + k * block,
+                     each(table_of) << 32 | symbols], axis=1)
+    tables = np.concatenate([decode_table(np.frombuffer(key, dtype=np.uint8)) for key in keys])
+    return np.ascontiguousarray(rows), tables
+
+
+@functools.lru_cache(maxsize=1024)
+def _lengths(packed: bytes) -> tuple[np.ndarray, int, int]:
+    """Code lengths from their stored nibbles, the longest, and the Kraft sum in units of 2**-MAX_BITS
+    (0 when a length is over the limit). Kept for reuse, read-only."""
+    nibbles = np.frombuffer(packed, dtype=np.uint8)
+    lengths = np.empty(256, dtype=np.uint8)
+    lengths[0::2], lengths[1::2] = nibbles & 15, nibbles >> 4
+    lengths.flags.writeable = False
+    longest = int(lengths.max())
+    kraft = int((1 << (MAX_BITS - lengths[lengths > 0].astype(np.int64))).sum()) if longest <= MAX_BITS else 0
+    return lengths, longest, kraft
+
+
+def decode_blocks(src: Any, dst: np.ndarray, blocks: np.ndarray, tables: np.ndarray) -> int:
+    """Decode the blocks of :func:`block_table` from ``src`` into ``dst`` (uint8) on the host: every
+    block reads only its own bytes. 0, or ``k + 1`` for a block ``k`` that does not decode."""
+    lib = planes_native.library()
+    if lib is not None:
+        return planes_native.huffman_blocks(lib, src, dst, blocks, tables)
+    return _decode_numpy(np.frombuffer(src, dtype=np.uint8), dst, blocks, tables)
+
+
+def decode_into(stored: Any, out: np.ndarray) -> None:
+    """Decode a stored mode-3 plane into ``out`` (uint8, its symbols).
+
+    Raises:
+        CorruptCheckpointError: the plane is malformed, or a block does not decode to exactly its symbols.
+    """
+    blocks, tables = block_table([PlaneAt(0, read_plane(stored, out.size), 0, out.size)])
+    bad = decode_blocks(stored, out, blocks, tables)
+    if bad:
+        raise CorruptCheckpointError(f"Huffman plane's block {bad - 1} does not decode to its symbols")
+
+
+def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: np.ndarray) -> int:
+    """The NumPy decoder: all blocks a symbol at a time (bytes past a block's last read as zeros)."""
+    pos, stop, at, meta = (blocks[:, i].copy() for i in range(4))
+    table, count = (meta >> 32) << MAX_BITS, meta & 0xFFFFFFFF
+    last = (stop + 7) >> 3
+    padded = np.zeros(src.size + 3, dtype=np.int64)
+    padded[: src.size] = src
+    wrong = pos > stop
+    for i in range(int(count.max()) if count.size else 0):
+        live = np.flatnonzero((count > i) & ~wrong)
+        p = pos[live]
+        byte = p >> 3
+        window = np.zeros_like(p)
+        for j in range(3):
+            window |= np.where(byte + j < last[live], padded[np.minimum(byte + j, src.size)], 0) << (8 * j)
+        entry = tables[table[live] + ((window >> (p & 7)) & ((1 << MAX_BITS) - 1))].astype(np.int64)
+        length = entry >> 8
+        bad = (length == 0) | (p + length > stop[live])
+        wrong[live[bad]] = True
+        ok = live[~bad]
+        dst[at[ok] + i] = entry[~bad] & 255
+        pos[ok] += length[~bad]
+    wrong |= pos != stop
+    return int(np.argmax(wrong)) + 1 if wrong.any() else 0
+
+
+__all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",
+           "decode_blocks", "decode_into", "decode_table", "encode", "read_plane"]

@@ -1,0 +1,135 @@
+"""Decode Huffman-coded planes (:mod:`checkpointd.codecs.huffman`) where their bytes already are: on a GPU.
+
+Why: a restore into CUDA tensors uploads each stored file to checksum it there
+(:mod:`checkpointd.restore.device_image`); decoding its exponent planes on the host instead would cost
+a pass over a quarter of the native bytes on the CPU and a second upload. Every block of every plane
+is one GPU thread (``huffman_blocks`` in :data:`KERNEL_SOURCE`, built by
+:mod:`checkpointd.native.cuda_rtc`): it reads its block's bytes through a 64-bit window, looks each
+code up in the plane's 2048-entry table and writes its symbols, four at a time.
+
+Safe on any input: the host checks every plane's header, code lengths and block ends first
+(:func:`checkpointd.codecs.huffman.read_plane`); a thread reads only the bytes of its own block
+(others read as zeros) and writes only its own block's symbols; a bit pattern that starts no code, a
+code that runs past the block's end, or a block whose codes end short of it sets a flag that the
+caller reads once, after the last launch. On CPU tensors the host decoder takes the same block table
+(:func:`checkpointd.codecs.huffman.decode_blocks`), so the CPU tests run the device path's plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from checkpointd.codecs.huffman import PlaneAt, block_table, decode_blocks
+from checkpointd.native import cuda_rtc
+
+logger = logging.getLogger("checkpointd")
+
+KERNEL_SOURCE = r"""
+/* blocks: per block four int64: first bit, end bit (both absolute in src), output offset in dst,
+ * table index << 32 | symbols. tables: 2048 uint16 per plane, entry = code length << 8 | symbol. */
+extern "C" __global__ void huffman_blocks(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                          const long long* __restrict__ blocks,
+                                          const unsigned short* __restrict__ tables, long long n_blocks,
+                                          int* __restrict__ bad) {
+    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    long long pos = blocks[4 * b], stop = blocks[4 * b + 1], at = blocks[4 * b + 2], meta = blocks[4 * b + 3];
+    const unsigned short* table = tables + (meta >> 32) * 2048;
+    int count = (int)(meta & 0xffffffffLL);
+    long long next = pos >> 3, last = (stop + 7) >> 3; /* the block's bytes: [pos / 8, last) */
+    unsigned long long acc = 0;
+    int have = 0;
+    while (have <= 56) {
+        acc |= (unsigned long long)(next < last ? src[next] : 0) << have;
+        ++next;
+        have += 8;
+    }
+    acc >>= pos & 7;
+    have -= (int)(pos & 7);
+    unsigned char* out = dst + at;
+    bool words = (at & 3) == 0;
+    unsigned int word = 0;
+    for (int i = 0; i < count; ++i) {
+        if (have < 11) {
+            while (have <= 56) {
+                acc |= (unsigned long long)(next < last ? src[next] : 0) << have;
+                ++next;
+                have += 8;
+            }
+        }
+        unsigned short e = table[acc & 2047];
+        int len = e >> 8;
+        if (len == 0 || pos + len > stop) {
+            atomicOr(bad, 1);
+            return;
+        }
+        acc >>= len;
+        have -= len;
+        pos += len;
+        if (words) {
+            word |= (unsigned int)(e & 255) << (8 * (i & 3));
+            if ((i & 3) == 3) {
+                *(unsigned int*)(out + i - 3) = word;
+                word = 0;
+            }
+        } else {
+            out[i] = (unsigned char)e;
+        }
+    }
+    if (words) {
+        for (int i = count & ~3; i < count; ++i) out[i] = (unsigned char)(word >> (8 * (i & 3)));
+    }
+    if (pos != stop) atomicOr(bad, 1);
+}
+"""
+THREADS = 128
+"""Threads (blocks of a plane) per CUDA block."""
+
+_unavailable: dict[int, str] = {}
+_unavailable_lock = threading.Lock()
+
+
+def available(device: torch.device) -> bool:
+    """Whether planes can be decoded on ``device``: the kernel on a CUDA device (built or loaded on
+    first call; a failure is remembered and logged once), torch ops on the CPU."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _unavailable_lock:
+        if index in _unavailable:
+            return False
+    try:
+        cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], torch.device("cuda", index))
+    except cuda_rtc.KernelUnavailable as exc:
+        with _unavailable_lock:
+            _unavailable[index] = str(exc)
+        logger.info("no Huffman kernel for cuda:%d (%s); its planes decode on the host", index, exc)
+        return False
+    return True
+
+
+def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: torch.Tensor) -> None:
+    """Decode ``planes`` from ``src`` (the stored file, uint8) into ``dst`` (uint8), both on one device;
+    a plane that does not decode sets ``bad`` (a bool on that device: read it after the last call)."""
+    if not planes:
+        return
+    blocks, tables = block_table(planes)
+    if src.device.type != "cuda":  # the CPU: the host decoder, same contract
+        bad |= decode_blocks(src.numpy(), dst.numpy(), blocks, tables) != 0
+        return
+    flag = torch.zeros(1, dtype=torch.int32, device=src.device)
+    kernel = cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], src.device)["huffman_blocks"]
+    n = blocks.shape[0]
+    kernel.launch((n + THREADS - 1) // THREADS, THREADS, [src, dst, torch.from_numpy(blocks).to(src.device),
+                  torch.from_numpy(tables.view(np.int16)).to(src.device), ctypes.c_longlong(n), flag])
+    bad |= flag[0] != 0
+
+
+__all__ = ["KERNEL_SOURCE", "available", "decode"]
