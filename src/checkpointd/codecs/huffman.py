@@ -119,24 +119,30 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     return codes
 
 
-@functools.lru_cache(maxsize=1024)
-def _table_of(key: bytes) -> np.ndarray:
-    lengths = np.frombuffer(key, dtype=np.uint8)
-    order, starts = _code_starts(lengths)
-    widths = np.left_shift(1, MAX_BITS - lengths[order].astype(np.int64))
-    by_msb = np.zeros(1 << MAX_BITS, dtype=np.uint16)
-    filled = int(widths.sum())
-    by_msb[:filled] = np.repeat((lengths[order].astype(np.uint16) << 8) | order.astype(np.uint16), widths)
-    table = by_msb[_REVERSED]
-    table.flags.writeable = False
-    return table
+def decode_tables(lengths: np.ndarray) -> np.ndarray:
+    """Decode tables (uint16, ``(planes, 2**MAX_BITS)``) for rows of code lengths (``(planes, 256)``): entry
+    ``length << 8 | byte`` for every bit pattern (read least significant bit first) that starts with that
+    byte's code, 0 for patterns that start no code. A few array operations for all rows together.
+
+    In canonical order a code, padded to 11 bits most significant bit first, starts where the codes
+    before it end, so the table read that way is each coded byte repeated ``2**(11 - length)`` times,
+    then zeros; reversing the 11 bits of the index gives the table read least significant bit first.
+    """
+    rows = np.asarray(lengths, dtype=np.int64).reshape(-1, 256)
+    symbols = np.arange(256, dtype=np.int64)
+    order = np.argsort(np.where(rows > 0, rows * 256 + symbols, 1 << 20), axis=1, kind="stable")
+    sorted_lengths = np.take_along_axis(rows, order, axis=1)
+    widths = np.where(sorted_lengths > 0, np.left_shift(1, MAX_BITS - np.minimum(sorted_lengths, MAX_BITS)), 0)
+    entries = ((sorted_lengths << 8) | order).astype(np.uint16)
+    rest = (1 << MAX_BITS) - widths.sum(axis=1, keepdims=True)  # patterns no code starts (incomplete codes)
+    by_msb = np.repeat(np.concatenate([entries, np.zeros_like(rest, dtype=np.uint16)], axis=1).ravel(),
+                       np.concatenate([widths, rest], axis=1).ravel()).reshape(-1, 1 << MAX_BITS)
+    return np.take(by_msb, _REVERSED, axis=1)
 
 
 def decode_table(lengths: np.ndarray) -> np.ndarray:
-    """The decode table (uint16, ``2**MAX_BITS``, read-only): entry ``length << 8 | byte`` for every bit
-    pattern (read least significant bit first) that starts with that byte's code, 0 for patterns that
-    start no code. Planes of like tensors share code lengths, so tables are kept for reuse."""
-    return _table_of(np.ascontiguousarray(lengths, dtype=np.uint8).tobytes())
+    """The decode table of one plane's code lengths (:func:`decode_tables`)."""
+    return decode_tables(lengths)[0]
 
 
 def encode(plane: np.ndarray) -> list[Any]:
@@ -240,7 +246,7 @@ def block_table(planes: list[PlaneAt]) -> tuple[np.ndarray, np.ndarray]:
     symbols = np.minimum(block, each([p.count for p in planes]) - k * block)
     rows = np.stack([base + starts, base + ends, each([p.dst for p in planes]) + k * block,
                      each(table_of) << 32 | symbols], axis=1)
-    tables = np.concatenate([decode_table(np.frombuffer(key, dtype=np.uint8)) for key in keys])
+    tables = decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
     return np.ascontiguousarray(rows), tables
 
 
@@ -305,4 +311,4 @@ def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: 
 
 
 __all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",
-           "decode_blocks", "decode_into", "decode_table", "encode", "read_plane"]
+           "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "read_plane"]
