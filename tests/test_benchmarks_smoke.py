@@ -163,7 +163,8 @@ def test_bench_compression_small_smoke(tmp_path: Path) -> None:
     _run("bench_compression.py", "--mb", "8", "--repeat", "1", "--json", str(out))
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert result["meta"]["planes_kernels"].startswith(("native (", "NumPy ("))  # the table says which ran
+    assert result["info"]["planes_kernels"].startswith(("native (", "NumPy ("))  # the table says which ran
+    assert result["info"]["date"] and "bench_compression.py" in result["info"]["command"]
     assert "zstd-planes kernels:" in result["table"] and result["complete"] is True
     planes = {r["input"]: r for r in rows if r["method"] == "zstd-planes"}
     plain = {r["input"]: r for r in rows if r["method"] == "zstd"}
