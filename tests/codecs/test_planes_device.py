@@ -146,3 +146,24 @@ def test_a_truncated_file_has_no_seek_table() -> None:
     _, stored = planes_file(torch.bfloat16, 50_000)
     with pytest.raises(CorruptCheckpointError, match="seek table"):
         _decode(stored[:-3])
+
+
+@pytest.mark.parametrize("end", [0xFFFFFFFF, 0])
+def test_block_ends_are_taken_from_the_device_copy_and_kept_within_their_plane(end) -> None:
+    """The blocks' ends come from the bytes on the device (the checksummed ones), clamped to their
+    plane's stream: a device copy whose end differs from the host's (too far, or before its start)
+    does not decode, and nothing is read past the plane."""
+    from checkpointd.codecs import huffman
+    from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
+    from checkpointd.codecs.planes_device import _plan
+
+    _, stored = planes_file(torch.float32, 100_000)
+    frames, natives = read_index(ViewFile(memoryview(stored)), PLANES_FOOTER_MAGIC, "zstd-planes")
+    chunks, _, _ = _plan(memoryview(stored), frames, natives, True)
+    plane = next(p for c in chunks for p in c.on_device.values() if p.plane.ends.size > 2)
+    forged = bytearray(stored)
+    at = plane.src + huffman.HEADER.size + huffman.LENGTHS_NBYTES + 4  # block 1's end
+    forged[at : at + 4] = end.to_bytes(4, "little")
+    with pytest.raises(CorruptCheckpointError, match="Huffman plane"):
+        decode_on_device(memoryview(stored), _as_tensor(bytes(forged)), POOL, check_chunks=False)
+    assert torch.equal(_decode(stored).data[:10], _as_tensor(decode_bytes("zstd-planes", stored)[:10]))

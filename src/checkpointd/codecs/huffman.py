@@ -42,7 +42,8 @@ MAX_BITS = 11
 BLOCK = 4096
 """Symbols per block written: 32 bits of offset per 4096 symbols (0.008 bits each), and enough blocks
 for a GPU (a 4 MiB plane: 1024 threads)."""
-_LENGTHS_NBYTES = 128
+LENGTHS_NBYTES = 128
+"""Bytes of code lengths after the header (two lengths a byte); the block ends follow them."""
 _MAX_BLOCK = 1 << 20
 
 
@@ -191,16 +192,16 @@ def read_plane(stored: Any, count: int) -> StoredPlane:
         CorruptCheckpointError: a header, code lengths, block table or stream size the format does not allow.
     """
     view = memoryview(stored).cast("B")
-    if view.nbytes < HEADER.size + _LENGTHS_NBYTES:
+    if view.nbytes < HEADER.size + LENGTHS_NBYTES:
         raise CorruptCheckpointError(f"Huffman plane of {view.nbytes} bytes is too short for its header")
     block, blocks = HEADER.unpack_from(view)
     if not 1 <= block <= _MAX_BLOCK or blocks != -(-count // block):
         raise CorruptCheckpointError(f"Huffman plane of {count} symbols has {blocks} blocks of {block}")
-    lengths, longest, kraft = _lengths(bytes(view[HEADER.size : HEADER.size + _LENGTHS_NBYTES]))
+    lengths, longest, kraft = _lengths(bytes(view[HEADER.size : HEADER.size + LENGTHS_NBYTES]))
     if longest > MAX_BITS or kraft > 1 << MAX_BITS or (count and not kraft):
         raise CorruptCheckpointError(f"Huffman plane has code lengths no prefix code has (longest "
                                      f"{longest}, Kraft sum {kraft / (1 << MAX_BITS):.3f})")
-    at = HEADER.size + _LENGTHS_NBYTES
+    at = HEADER.size + LENGTHS_NBYTES
     if view.nbytes < at + 4 * blocks:
         raise CorruptCheckpointError(f"Huffman plane of {view.nbytes} bytes is too short for {blocks} block ends")
     ends = np.frombuffer(view, dtype="<u4", count=blocks, offset=at)

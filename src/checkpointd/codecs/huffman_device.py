@@ -24,7 +24,7 @@ import threading
 import numpy as np
 import torch
 
-from checkpointd.codecs.huffman import PlaneAt, block_table, decode_blocks
+from checkpointd.codecs.huffman import HEADER, LENGTHS_NBYTES, PlaneAt, decode_blocks, decode_tables
 from checkpointd.native import cuda_rtc
 
 logger = logging.getLogger("checkpointd")
@@ -120,16 +120,44 @@ def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: tor
     a plane that does not decode sets ``bad`` (a bool on that device: read it after the last call)."""
     if not planes:
         return
-    blocks, tables = block_table(planes)
+    blocks, tables = _block_rows(src, planes)
     if src.device.type != "cuda":  # the CPU: the host decoder, same contract
-        bad |= decode_blocks(src.numpy(), dst.numpy(), blocks, tables) != 0
+        bad |= decode_blocks(src.numpy(), dst.numpy(), blocks.numpy(), tables) != 0
         return
     flag = torch.zeros(1, dtype=torch.int32, device=src.device)
     kernel = cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], src.device)["huffman_blocks"]
     n = blocks.shape[0]
-    kernel.launch((n + THREADS - 1) // THREADS, THREADS, [src, dst, torch.from_numpy(blocks).to(src.device),
+    kernel.launch((n + THREADS - 1) // THREADS, THREADS, [src, dst, blocks,
                   torch.from_numpy(tables.view(np.int16)).to(src.device), ctypes.c_longlong(n), flag])
     bad |= flag[0] != 0
+
+
+def _block_rows(src: torch.Tensor, planes: list[PlaneAt]) -> tuple[torch.Tensor, np.ndarray]:
+    """:func:`checkpointd.codecs.huffman.block_table`'s rows, made where ``src`` is from its block ends there.
+
+    A file's planes have ~1000 blocks each (600 thousand for 4.8 GB): making their rows on the host and
+    uploading them cost 40-70 ms of a restore on an H200 host, a few torch operations on the device
+    under one. Only one row per plane crosses. Each end is clamped to its plane's stream (the host
+    checked the same bytes, but only these are used), so a block never reaches past it whatever the
+    ends say; ends out of order make blocks that cannot decode, which the kernel refuses.
+    """
+    keys: dict[bytes, int] = {}
+    per_plane = np.array([(p.src + HEADER.size + LENGTHS_NBYTES, p.plane.ends.size, 8 * (p.src + p.plane.stream[0]),
+                           8 * (p.plane.stream[1] - p.plane.stream[0]), p.dst, p.count, p.plane.block,
+                           keys.setdefault(p.plane.lengths.tobytes(), len(keys))) for p in planes], dtype=np.int64)
+    tables = decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
+    device = src.device
+    ends_at, sizes, bit_base, total_bits, dst, count, block, table = torch.from_numpy(per_plane).to(device).unbind(1)
+    plane = torch.repeat_interleave(torch.arange(len(planes), device=device), sizes)
+    k = torch.arange(plane.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes)[plane]
+    at = ends_at[plane] + 4 * k
+    end = src[at].long() | src[at + 1].long() << 8 | src[at + 2].long() << 16 | src[at + 3].long() << 24
+    stop = torch.minimum(end, total_bits[plane])
+    start = torch.where(k == 0, 0, torch.roll(stop, 1))
+    base, size = bit_base[plane], block[plane]
+    rows = torch.stack([base + start, base + stop, dst[plane] + k * size,
+                        table[plane] << 32 | torch.minimum(size, count[plane] - k * size)], dim=1)
+    return rows.contiguous(), tables
 
 
 __all__ = ["KERNEL_SOURCE", "available", "decode"]
