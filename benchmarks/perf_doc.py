@@ -125,15 +125,14 @@ TABLES = (
 def _tables(parsed: list[tuple[str, str, str]]) -> list[str]:
     out: list[str] = []
     for name, title, meaning in TABLES:
-        for label, d, commit in parsed:
-            doc = _load(d, name)
-            if doc is None:
-                continue
+        runs = [(label, doc, commit) for label, d, commit in parsed if (doc := _load(d, name)) is not None]
+        if runs:
+            out += [f"## {title}", "", meaning, ""]
+        for label, doc, commit in runs:
             info = doc.get("info", {})
-            out += [f"## {title}", "",
-                    f"- {label}: {info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch "
+            out += [f"- {label}: {info.get('device', '?')}, {info.get('cpu_count', '?')} cores, torch "
                     f"{info.get('torch', '?')}, {info.get('date', '?')}. Commit: `{commit}`. Command: "
-                    f"`{info.get('command', '?')}`.", "", meaning, "", "```", doc["table"], "```", ""]
+                    f"`{info.get('command', '?')}`.", "", "```", doc["table"], "```", ""]
     return out
 
 
