@@ -18,8 +18,6 @@ caller reads once, after the last launch. On CPU tensors the host decoder takes 
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 
 import numpy as np
 import torch
@@ -27,7 +25,6 @@ import torch
 from checkpointd.codecs.huffman import HEADER, LENGTHS_NBYTES, PlaneAt, decode_blocks, decode_tables
 from checkpointd.native import cuda_rtc
 
-logger = logging.getLogger("checkpointd")
 
 KERNEL_SOURCE = r"""
 /* blocks: per block four int64: first bit, end bit (both absolute in src), output offset in dst,
@@ -90,29 +87,14 @@ extern "C" __global__ void huffman_blocks(const unsigned char* __restrict__ src,
 THREADS = 128
 """Threads (blocks of a plane) per CUDA block."""
 
-_unavailable: dict[int, str] = {}
-_unavailable_lock = threading.Lock()
 
 
 def available(device: torch.device) -> bool:
     """Whether planes can be decoded on ``device``: the kernel on a CUDA device (built or loaded on
-    first call; a failure is remembered and logged once), torch ops on the CPU."""
-    if device.type == "cpu":
-        return True
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _unavailable_lock:
-        if index in _unavailable:
-            return False
-    try:
-        cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], torch.device("cuda", index))
-    except cuda_rtc.KernelUnavailable as exc:
-        with _unavailable_lock:
-            _unavailable[index] = str(exc)
-        logger.info("no Huffman kernel for cuda:%d (%s); its planes decode on the host", index, exc)
-        return False
-    return True
+    first call; a failure is remembered and logged once: the planes then decode on the host), the host
+    decoder for CPU tensors."""
+    return device.type == "cpu" or cuda_rtc.kernels_available(KERNEL_SOURCE, ["huffman_blocks"], device,
+                                                              "Huffman kernel (its planes decode on the host)")
 
 
 def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: torch.Tensor) -> None:

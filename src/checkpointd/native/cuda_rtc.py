@@ -285,4 +285,28 @@ def kernels(source: str, names: Sequence[str], device: torch.device, options: Se
         return out
 
 
-__all__ = ["Kernel", "KernelUnavailable", "compile_cubin", "driver_functions", "kernels", "load_origin", "primary_context"]
+_failed: dict[tuple[str, int], str] = {}
+
+
+def kernels_available(source: str, names: Sequence[str], device: torch.device, what: str) -> bool:
+    """Whether :func:`kernels` can give ``names`` of ``source`` on ``device``: built or loaded on the first
+    call; a failure is remembered per device and logged once (``what`` names the kernels in the log)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = ("/".join(names), index)
+    with _modules_lock:
+        if key in _failed:
+            return False
+    try:
+        kernels(source, names, torch.device("cuda", index))
+    except KernelUnavailable as exc:
+        with _modules_lock:
+            _failed[key] = str(exc)
+        logger.info("no %s for cuda:%d (%s)", what, index, exc)
+        return False
+    return True
+
+
+__all__ = ["Kernel", "KernelUnavailable", "compile_cubin", "driver_functions", "kernels", "kernels_available",
+           "load_origin", "primary_context"]

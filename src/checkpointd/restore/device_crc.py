@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import threading
 from typing import Any
 
@@ -34,7 +33,6 @@ import torch
 from checkpointd.codecs.crc import crc32, crc32_combine, crc32_combine_py
 from checkpointd.native import cuda_rtc
 
-logger = logging.getLogger("checkpointd")
 
 LANE_BYTES = 4096
 """Bytes a GPU thread checksums; 4.83 GB make 1.18M lanes, 21 combining levels."""
@@ -171,8 +169,6 @@ extern "C" __global__ void crc32_combine_level(const unsigned int* __restrict__ 
 THREADS = 128
 """Threads (lanes) a block of the lane kernel runs."""
 
-_unavailable: dict[int, str] = {}
-_unavailable_lock = threading.Lock()
 
 
 def _cuda_kernels(device: torch.device) -> dict[str, Any]:
@@ -182,20 +178,7 @@ def _cuda_kernels(device: torch.device) -> dict[str, Any]:
 def kernel_available(device: torch.device) -> bool:
     """Whether the CUDA kernels can run on ``device`` (built or loaded on first call; a failure is
     remembered, and logged once)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _unavailable_lock:
-        if index in _unavailable:
-            return False
-    try:
-        _cuda_kernels(torch.device("cuda", index))
-    except cuda_rtc.KernelUnavailable as exc:
-        with _unavailable_lock:
-            _unavailable[index] = str(exc)
-        logger.info("no CRC-32 kernel for cuda:%d (%s)", index, exc)
-        return False
-    return True
+    return cuda_rtc.kernels_available(KERNEL_SOURCE, ["crc32_lanes", "crc32_combine_level"], device, "CRC-32 kernel")
 
 
 def _tables_int32(levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
