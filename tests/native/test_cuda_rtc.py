@@ -94,3 +94,23 @@ def test_kernels_need_a_cuda_device() -> None:
     with pytest.raises(cuda_rtc.KernelUnavailable, match="CUDA device"):
         cuda_rtc.kernels(device_crc.KERNEL_SOURCE, ["crc32_lanes"], torch.device("cpu"))
     assert not device_crc.kernel_available(torch.device("cpu"))
+
+
+def test_a_kernel_that_cannot_be_built_is_tried_once_per_device_and_logged_once(monkeypatch, caplog) -> None:
+    calls = []
+
+    def fail(source, names, device, options=()):
+        calls.append(device)
+        raise cuda_rtc.KernelUnavailable("no NVRTC here (test)")
+
+    monkeypatch.setattr(cuda_rtc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_rtc, "kernels", fail)
+    monkeypatch.setattr(cuda_rtc, "_failed", {})
+    with caplog.at_level("INFO", logger="checkpointd"):
+        for _ in range(3):
+            assert not cuda_rtc.kernels_available("src", ["k"], torch.device("cuda", 0), "test kernel")
+        assert not cuda_rtc.kernels_available("src", ["k"], torch.device("cpu"), "test kernel")
+    assert calls == [torch.device("cuda", 0)]
+    assert caplog.text.count("no test kernel for cuda:0 (no NVRTC here (test))") == 1
+    monkeypatch.setattr(cuda_rtc, "kernels", lambda *a, **k: {"k": object()})
+    assert cuda_rtc.kernels_available("src", ["k"], torch.device("cuda", 1), "test kernel")
