@@ -14,12 +14,22 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import zstandard
 
 from checkpointd.codecs import planes
 from checkpointd.codecs.compress import get_codec
 from checkpointd.codecs.crc import crc32
 from checkpointd.codecs.plane_kernels import ESCAPE, NIBBLES, to_planes
-from checkpointd.codecs.zstd_frames import plane_compressor
+
+
+def plane_compressor() -> zstandard.ZstdCompressor:
+    """The zstd settings earlier releases compressed planes with (Huffman literals, almost no matches,
+    no frame checksum: the chunk's CRC-32 covers the stored bytes)."""
+    params = zstandard.ZstdCompressionParameters(
+        strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
+        min_match=7, target_length=0, write_checksum=False,
+    )  # fmt: skip
+    return zstandard.ZstdCompressor(compression_params=params)
 
 
 def planes_values(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:

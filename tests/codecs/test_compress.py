@@ -15,12 +15,11 @@ from checkpointd.codecs import container
 from checkpointd.codecs import crc as codecs_crc
 from checkpointd.codecs import plane_kernels as codecs_plane_kernels
 from checkpointd.codecs import planes as codecs_planes
-from checkpointd.codecs import zstd_frames
 from checkpointd.format import serialize
 from checkpointd.codecs.compress import NoCodec, ZstdCodec, ZstdPlanesCodec, decode_bytes, get_codec, plane_itemsize
 from checkpointd.errors import ConfigError, CorruptCheckpointError
 
-from planes_files import legacy_encode_planes
+from planes_files import legacy_encode_planes, plane_compressor
 
 SMALL_CHUNK = 64 << 10
 ZSTD_CLI = shutil.which("zstd") or ("/usr/bin/zstd" if os.path.exists("/usr/bin/zstd") else None)
@@ -437,7 +436,7 @@ def test_nibble_plane_escapes_are_counted_exactly(escapes: int) -> None:
 
     def frame(claimed: int, values: np.ndarray) -> memoryview:
         packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
-        nibbles = codecs_plane_kernels.NIBBLES.pack(base, claimed) + zstd_frames.plane_compressor().compress(packed)
+        nibbles = codecs_plane_kernels.NIBBLES.pack(base, claimed) + plane_compressor().compress(packed)
         stored = [(kernels.MODE_RAW, lo.tobytes()), (kernels.MODE_NIBBLES, nibbles)]
         return memoryview(_planes_frame(kernels, 2, stored, 2 * count))
 
@@ -459,7 +458,7 @@ def test_zstd_plane_of_the_wrong_size_is_corrupt(extra: int) -> None:
 
     count = 1000
     plane = bytes(range(256)) * 4
-    wrong = zstd_frames.plane_compressor().compress(plane[: count + extra])
+    wrong = plane_compressor().compress(plane[: count + extra])
     stored = [(kernels.MODE_RAW, plane[:count]), (kernels.MODE_ZSTD, wrong)]
     decoded = np.zeros(2 * count, dtype=np.uint8)
     with pytest.raises(CorruptCheckpointError, match="decodes to"):

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd.codecs import container, plane_kernels, zstd_frames
+from checkpointd.codecs import container, plane_kernels
 from checkpointd.codecs import planes as kernels
 from checkpointd.codecs.compress import decode_bytes
 from checkpointd.codecs.planes_device import decode_on_device
 from checkpointd.errors import CorruptCheckpointError
 
-from planes_files import planes_file
+from planes_files import plane_compressor, planes_file
 
 POOL = ThreadPoolExecutor(2)
 
@@ -76,7 +76,7 @@ def _nibble_file(claimed: int, escapes: int) -> tuple[bytes, bytes]:
     padded = np.concatenate([codes, np.zeros(2 * half - count, np.uint8)])
     values = np.resize(hi[codes == 15] if escapes else np.array([7], np.uint8), claimed)
     packed = (padded[:half] * 16 + padded[half:]).astype(np.uint8).tobytes() + values.tobytes()
-    nibbles = plane_kernels.NIBBLES.pack(base, claimed) + zstd_frames.plane_compressor().compress(packed)
+    nibbles = plane_kernels.NIBBLES.pack(base, claimed) + plane_compressor().compress(packed)
     native = np.zeros(2 * count, dtype=np.uint8)
     plane_kernels.from_planes([lo, hi], native)
     frame = _planes_frame(2, [(kernels.MODE_RAW, lo.tobytes()), (kernels.MODE_NIBBLES, nibbles)], 2 * count)
@@ -101,7 +101,7 @@ def test_a_wrong_escape_count_is_corruption_on_both_decoders(escapes, claimed) -
 
 def test_more_escapes_than_values_are_refused_before_any_decoding() -> None:
     count = 64
-    nibbles = plane_kernels.NIBBLES.pack(0, count + 1) + zstd_frames.plane_compressor().compress(bytes(count))
+    nibbles = plane_kernels.NIBBLES.pack(0, count + 1) + plane_compressor().compress(bytes(count))
     frame = _planes_frame(2, [(kernels.MODE_RAW, bytes(count)), (kernels.MODE_NIBBLES, nibbles)], 2 * count)
     with pytest.raises(CorruptCheckpointError, match="escapes"):
         _decode(_file([(frame, 2 * count)]))
@@ -136,7 +136,7 @@ def test_a_changed_stored_byte_fails_the_chunk_crc_unless_the_file_was_checked_w
 def test_a_zstd_plane_of_the_wrong_size_is_corrupt(extra) -> None:
     count = 1000
     plane = bytes(range(256)) * 4
-    wrong = zstd_frames.plane_compressor().compress(plane[: count + extra])
+    wrong = plane_compressor().compress(plane[: count + extra])
     frame = _planes_frame(2, [(kernels.MODE_RAW, plane[:count]), (kernels.MODE_ZSTD, wrong)], 2 * count)
     with pytest.raises(CorruptCheckpointError, match="decodes to"):
         _decode(_file([(frame, 2 * count)]))

@@ -102,21 +102,24 @@ _REVERSED = np.array([int(f"{i:0{MAX_BITS}b}"[::-1], 2) for i in range(1 << MAX_
 """Each 11-bit number with its bits in reverse order."""
 
 
-def _code_starts(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The coded bytes in canonical order (by length, then value) and where each code starts among the
-    ``2**MAX_BITS`` 11-bit patterns read most significant bit first: a canonical code, padded with
-    zeros to 11 bits, is the sum of ``2**(11 - length)`` over the codes before it."""
-    present = np.flatnonzero(lengths)
-    order = present[np.lexsort((present, lengths[present]))]
-    widths = np.left_shift(1, MAX_BITS - lengths[order].astype(np.int64))
-    return order, np.cumsum(widths) - widths
+def _canonical(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For rows of code lengths (``(planes, 256)``): the bytes in canonical order (by length, then value;
+    bytes without a code last), their lengths and their widths ``2**(11 - length)`` (0 without a code). A
+    canonical code, padded to 11 bits most significant bit first, starts where the codes before it end."""
+    symbols = np.arange(256, dtype=np.int64)
+    order = np.argsort(np.where(rows > 0, rows * 256 + symbols, 1 << 20), axis=1, kind="stable")
+    sorted_lengths = np.take_along_axis(rows, order, axis=1)
+    widths = np.where(sorted_lengths > 0, np.left_shift(1, MAX_BITS - np.minimum(sorted_lengths, MAX_BITS)), 0)
+    return order, sorted_lengths, widths
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     """Each byte's code (uint16), bit-reversed so that the bit read first is bit 0."""
-    order, starts = _code_starts(lengths)
+    order, sorted_lengths, widths = (a[0] for a in _canonical(np.asarray(lengths, dtype=np.int64).reshape(1, 256)))
     codes = np.zeros(256, dtype=np.uint16)
-    codes[order] = _REVERSED[starts]  # reversing the padded 11 bits leaves the reversed code in the low bits
+    coded = sorted_lengths > 0
+    # reversing a code's 11 padded bits leaves the reversed code in its low bits
+    codes[order[coded]] = _REVERSED[(np.cumsum(widths) - widths)[coded]]
     return codes
 
 
@@ -125,15 +128,10 @@ def decode_tables(lengths: np.ndarray) -> np.ndarray:
     ``length << 8 | byte`` for every bit pattern (read least significant bit first) that starts with that
     byte's code, 0 for patterns that start no code. A few array operations for all rows together.
 
-    In canonical order a code, padded to 11 bits most significant bit first, starts where the codes
-    before it end, so the table read that way is each coded byte repeated ``2**(11 - length)`` times,
-    then zeros; reversing the 11 bits of the index gives the table read least significant bit first.
+    Read most significant bit first, a table is each coded byte in canonical order repeated
+    ``2**(11 - length)`` times, then zeros; reversing the 11 bits of the index reads it the other way.
     """
-    rows = np.asarray(lengths, dtype=np.int64).reshape(-1, 256)
-    symbols = np.arange(256, dtype=np.int64)
-    order = np.argsort(np.where(rows > 0, rows * 256 + symbols, 1 << 20), axis=1, kind="stable")
-    sorted_lengths = np.take_along_axis(rows, order, axis=1)
-    widths = np.where(sorted_lengths > 0, np.left_shift(1, MAX_BITS - np.minimum(sorted_lengths, MAX_BITS)), 0)
+    order, sorted_lengths, widths = _canonical(np.asarray(lengths, dtype=np.int64).reshape(-1, 256))
     entries = ((sorted_lengths << 8) | order).astype(np.uint16)
     rest = (1 << MAX_BITS) - widths.sum(axis=1, keepdims=True)  # patterns no code starts (incomplete codes)
     by_msb = np.repeat(np.concatenate([entries, np.zeros_like(rest, dtype=np.uint16)], axis=1).ravel(),
@@ -224,31 +222,17 @@ class PlaneAt:
     count: int
 
 
-def block_table(planes: list[PlaneAt]) -> tuple[np.ndarray, np.ndarray]:
-    """What the block decoders take: per block ``(first bit, end bit, output offset, table << 32 |
-    symbols)`` (int64, ``(blocks, 4)``; bits counted from the source buffer's start), and the decode
-    tables (uint16, ``2**MAX_BITS`` each; planes with the same code lengths share one). A few array
-    operations for all planes together: a restore has hundreds of planes per file."""
-    keys: dict[bytes, int] = {}
-    table_of = [keys.setdefault(p.plane.lengths.tobytes(), len(keys)) for p in planes]
-    sizes = np.array([p.plane.ends.size for p in planes], dtype=np.int64)
-    first = np.cumsum(sizes) - sizes
-    ends = np.concatenate([p.plane.ends for p in planes]).astype(np.int64)
-    starts = np.empty_like(ends)
-    starts[1:] = ends[:-1]
-    starts[first] = 0
-    k = np.arange(ends.size, dtype=np.int64) - np.repeat(first, sizes)
-
-    def each(values: list[int]) -> np.ndarray:
-        return np.repeat(np.array(values, dtype=np.int64), sizes)
-
-    base = each([8 * (p.src + p.plane.stream[0]) for p in planes])
-    block = each([p.plane.block for p in planes])
-    symbols = np.minimum(block, each([p.count for p in planes]) - k * block)
-    rows = np.stack([base + starts, base + ends, each([p.dst for p in planes]) + k * block,
-                     each(table_of) << 32 | symbols], axis=1)
-    tables = decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
-    return np.ascontiguousarray(rows), tables
+def block_table(plane: StoredPlane, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the block decoders take for one stored plane of ``count`` symbols, decoded from its own bytes
+    into a buffer of its symbols: per block ``(first bit, end bit, output offset, table << 32 | symbols)``
+    (int64, ``(blocks, 4)``; table 0) and the decode table. (A restore makes the rows of all its planes
+    on the device: :mod:`checkpointd.codecs.huffman_device`.)"""
+    ends = plane.ends.astype(np.int64)
+    k = np.arange(ends.size, dtype=np.int64)
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+    rows = np.stack([8 * plane.stream[0] + starts, 8 * plane.stream[0] + ends, k * plane.block,
+                     np.minimum(plane.block, count - k * plane.block)], axis=1)
+    return np.ascontiguousarray(rows), decode_table(plane.lengths)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -279,8 +263,8 @@ def decode_into(stored: Any, out: np.ndarray) -> None:
     Raises:
         CorruptCheckpointError: the plane is malformed, or a block does not decode to exactly its symbols.
     """
-    blocks, tables = block_table([PlaneAt(0, read_plane(stored, out.size), 0, out.size)])
-    bad = decode_blocks(stored, out, blocks, tables)
+    blocks, table = block_table(read_plane(stored, out.size), out.size)
+    bad = decode_blocks(stored, out, blocks, table)
     if bad:
         raise CorruptCheckpointError(f"Huffman plane's block {bad - 1} does not decode to its symbols")
 
