@@ -167,3 +167,20 @@ def test_block_ends_are_taken_from_the_device_copy_and_kept_within_their_plane(e
     with pytest.raises(CorruptCheckpointError, match="Huffman plane"):
         decode_on_device(memoryview(stored), _as_tensor(bytes(forged)), POOL, check_chunks=False)
     assert torch.equal(_decode(stored).data[:10], _as_tensor(decode_bytes("zstd-planes", stored)[:10]))
+
+
+def test_the_merge_kernel_is_given_only_ranges_inside_its_tensors() -> None:
+    """``merge_device.merge`` checks every plane and output range on the host, before any launch."""
+    from checkpointd.codecs import merge_device
+
+    out, sources = torch.zeros(40, dtype=torch.uint8), [torch.zeros(30, dtype=torch.uint8)]
+    bad = [merge_device.Chunk(0, 10, [(0, 21), (0, 0)], False),  # a plane past its source
+           merge_device.Chunk(21, 10, [(0, 0), (0, 0)], False),  # elements past the output
+           merge_device.Chunk(0, 10, [(1, 0), (0, 0)], False),  # no such source
+           merge_device.Chunk(0, 10, [(0, 0)] * 3, False),  # three planes
+           merge_device.Chunk(-1, 10, [(0, 0), (0, 0)], False)]
+    for chunk in bad:
+        with pytest.raises(ValueError, match="merge"):
+            merge_device.merge(out, sources, [chunk])
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        merge_device.merge(out.view(torch.int32), sources, [])

@@ -107,7 +107,13 @@ def test_a_damaged_planes_file_is_refused_on_the_device_path_and_nothing_changes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_cuda_decoder_equals_the_host_decoder(dtype) -> None:
+@pytest.mark.parametrize("queued", [True, False])
+def test_the_cuda_decoder_equals_the_host_decoder(dtype, queued, monkeypatch) -> None:
+    """The host-decoded bytes go up in one queued copy, or (more than ``QUEUED_UPLOAD_BYTES``) through ``upload``."""
+    from checkpointd.codecs import planes_device
+
+    if not queued:
+        monkeypatch.setattr(planes_device, "QUEUED_UPLOAD_BYTES", 0)
     native, stored = planes_file(dtype, 3_000_001)
     on_gpu = torch.frombuffer(bytearray(stored), dtype=torch.uint8).cuda()
     with ThreadPoolExecutor(4) as pool:
@@ -173,3 +179,55 @@ def test_the_huffman_kernel_and_the_host_decoder_agree_on_every_block_good_or_fo
         flag, _ = _kernel_decode(stored, forged, tables, plane.size)
         assert flag, f"block {k}'s end moved by {delta} went through"
     assert refused >= 2
+
+
+def test_the_merge_kernel_equals_the_host_merge_for_every_element_size_and_alignment() -> None:
+    """Chunks of 2-, 4- and 8-byte elements, rotated or not, shorter and longer than a tile, written at
+    aligned and unaligned offsets of one output, in one launch: the bytes of ``plane_kernels.from_planes``."""
+    import numpy as np
+
+    from checkpointd.codecs import merge_device, plane_kernels
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert merge_device.available(device)
+    rng = np.random.default_rng(1)
+    specs = [(4, True, 100_003, 0), (2, True, 5, 1), (8, False, 70_001, 3), (4, False, merge_device.TILE, 2),
+             (8, True, 3 * merge_device.TILE + 7, 0), (2, False, 40_000, 0)]
+    out = torch.zeros(sum(s * n + a for s, _, n, a in specs) + 8, dtype=torch.uint8, device=device)
+    expected = np.zeros(out.numel(), dtype=np.uint8)
+    sources = [torch.zeros(8, dtype=torch.uint8, device=device), torch.zeros(8, dtype=torch.uint8, device=device)]
+    chunks, at = [], 0
+    for size, rotated, count, skew in specs:
+        at += skew
+        planes = rng.integers(0, 256, (size, count), dtype=np.uint8)
+        plane_kernels.from_planes(list(planes), expected[at : at + size * count], rotated)
+        where = []
+        for j, p in enumerate(planes):  # each plane at some offset of one of two sources
+            k, off = j % 2, sources[j % 2].numel() + 3
+            sources[k] = torch.cat([sources[k], torch.zeros(3, dtype=torch.uint8, device=device),
+                                    torch.from_numpy(p.copy()).to(device)])
+            where.append((k, off))
+        chunks.append(merge_device.Chunk(at, count, where, rotated))
+        at += size * count
+    merge_device.merge(out, sources, chunks)
+    assert np.array_equal(out.cpu().numpy(), expected)
+    with pytest.raises(ValueError, match="merge"):  # a plane reaching past its source
+        merge_device.merge(out, sources, [merge_device.Chunk(0, 10, [(0, sources[0].numel() - 9), (1, 0)], False)])
+    with pytest.raises(ValueError, match="merge"):  # elements reaching past the output
+        merge_device.merge(out, sources, [merge_device.Chunk(out.numel() - 19, 10, [(0, 0), (1, 0)], False)])
+
+
+def test_a_cuda_planes_restore_merges_with_the_kernel(monkeypatch) -> None:
+    """Files without nibble planes never take the torch merge on CUDA; earlier files' nibble planes do."""
+    from checkpointd.codecs import planes_device
+
+    calls = []
+    real = planes_device._merge
+    monkeypatch.setattr(planes_device, "_merge", lambda *a: calls.append(1) or real(*a))
+    for legacy in (False, True):
+        native, stored = planes_file(torch.float32, 300_007, legacy=legacy)
+        on_gpu = torch.frombuffer(bytearray(stored), dtype=torch.uint8).cuda()
+        with ThreadPoolExecutor(2) as pool:
+            out = decode_on_device(memoryview(stored), on_gpu, pool)
+        assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
+        assert bool(calls) == legacy

@@ -110,7 +110,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: tor
     kernel = cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], src.device)["huffman_blocks"]
     n = blocks.shape[0]
     kernel.launch((n + THREADS - 1) // THREADS, THREADS, [src, dst, blocks,
-                  torch.from_numpy(tables.view(np.int16)).to(src.device), ctypes.c_longlong(n), flag])
+                  cuda_rtc.table_to(src.device, torch.from_numpy(tables.view(np.int16))), ctypes.c_longlong(n), flag])
     bad |= flag[0] != 0
 
 
@@ -129,8 +129,10 @@ def _block_rows(src: torch.Tensor, planes: list[PlaneAt]) -> tuple[torch.Tensor,
                            keys.setdefault(p.plane.lengths.tobytes(), len(keys))) for p in planes], dtype=np.int64)
     tables = decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
     device = src.device
-    ends_at, sizes, bit_base, total_bits, dst, count, block, table = torch.from_numpy(per_plane).to(device).unbind(1)
-    plane = torch.repeat_interleave(torch.arange(len(planes), device=device), sizes)
+    ends_at, sizes, bit_base, total_bits, dst, count, block, table = cuda_rtc.table_to(
+        device, torch.from_numpy(per_plane)).unbind(1)
+    plane = torch.repeat_interleave(torch.arange(len(planes), device=device), sizes,
+                                    output_size=int(per_plane[:, 1].sum()))  # given: no wait for the device
     k = torch.arange(plane.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes)[plane]
     at = ends_at[plane] + 4 * k
     end = src[at].long() | src[at + 1].long() << 8 | src[at + 2].long() << 16 | src[at + 3].long() << 24

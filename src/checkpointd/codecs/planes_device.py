@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from checkpointd.codecs import huffman, huffman_device
+from checkpointd.codecs import huffman, huffman_device, merge_device
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
 from checkpointd.codecs.crc import crc32
 from checkpointd.codecs.plane_kernels import ESCAPE, NIBBLES
@@ -45,7 +45,11 @@ from checkpointd.codecs.planes import (
 )
 from checkpointd.codecs.zstd_frames import copy_into, zstd_decompress_into
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.native import cuda_rtc
 
+QUEUED_UPLOAD_BYTES = 16 << 20
+"""Host-decoded bytes up to this size go up in one queued copy (:func:`_queued_upload`); more (a file of
+earlier releases' nibble planes) go through the caller's ``upload``."""
 _WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LOW_BITS = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
 
@@ -58,6 +62,20 @@ class OnDevice:
     data: torch.Tensor
     device_only: list[tuple[int, int]] = field(default_factory=list)
     """Native byte ranges ``[start, stop)`` whose host bytes were not written (merged on the device only)."""
+    bad: torch.Tensor | None = None
+    """The device's damage flag, not read yet (:meth:`check`)."""
+
+    def check(self) -> None:
+        """Wait for the device's decoding; raise if it found the file damaged. Call before reading ``data``.
+
+        Raises:
+            CorruptCheckpointError: a Huffman plane that does not decode, a nibble plane whose escapes differ.
+        """
+        bad, self.bad = self.bad, None
+        if bad is not None and bool(bad.item()):
+            raise CorruptCheckpointError("a Huffman plane of the 'zstd-planes' file does not decode to its symbols, "
+                                         "or a nibble plane has a different number of escape codes than its header "
+                                         "says; the file is corrupt, restore another step")
 
 
 @dataclass
@@ -81,7 +99,7 @@ class _Chunk:
 
 def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
                      upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-                     check_chunks: bool = True, data: torch.Tensor | None = None) -> OnDevice:
+                     check_chunks: bool = True, data: torch.Tensor | None = None, wait: bool = True) -> OnDevice:
     """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
 
     ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
@@ -89,6 +107,8 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     chunks' own CRC-32s, for a file whose every byte was just checked against its manifest (they cover
     the same bytes: they exist for reads of one tensor, which check no file checksum). ``data``: where
     the native bytes go (uint8 on the device, the file's native size; default: allocated here).
+    ``wait=False`` returns once the device's work is queued, the host bytes written: the caller may parse
+    them meanwhile, and calls :meth:`OnDevice.check` before anything reads the device bytes.
 
     Raises:
         CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
@@ -101,7 +121,8 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     host = torch.empty(natives[-1], dtype=torch.uint8)
     scratch = torch.empty(decoded_nbytes, dtype=torch.uint8)
     host_np, scratch_np = host.numpy(), scratch.numpy()
-    tasks = [executor.submit(_host_work, stored, c, host_np, scratch_np, check_chunks) for c in chunks]
+    tasks = [executor.submit(_host_work, stored, c, host_np, scratch_np, check_chunks) for c in chunks
+             if _has_host_work(c, check_chunks)]
     errors = [t.exception() for t in tasks]
     first = next((e for e in errors if e is not None), None)
     if first is not None:
@@ -121,17 +142,43 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
             device_only.append((a, b))
         else:
             pairs.append((data[a:b], host[a:b]))
-    (upload or _copy_pairs)(pairs)
+    if device.type == "cuda" and sum(d.numel() for d, _ in pairs) <= QUEUED_UPLOAD_BYTES:
+        _queued_upload(pairs, device)
+    else:
+        (upload or _copy_pairs)(pairs)
     bad = torch.zeros((), dtype=torch.bool, device=device)
     device_planes = torch.empty(on_device_nbytes, dtype=torch.uint8, device=device)
     huffman_device.decode(stored_data, device_planes, [p for c in chunks for p in c.on_device.values()], bad)
+    fused: list[merge_device.Chunk] = []
+    use_kernel = merge_device.available(device)
     for group in groups.values():
-        _merge(group, stored_data, scratch_data, device_planes, data, bad)
-    if bool(bad.item()):
-        raise CorruptCheckpointError("a Huffman plane of the 'zstd-planes' file does not decode to its symbols, or "
-                                     "a nibble plane has a different number of escape codes than its header says; "
-                                     "the file is corrupt, restore another step")
-    return OnDevice(host, data, _joined(device_only))
+        if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
+            fused += [_fused(c) for c in group]
+        else:
+            _merge(group, stored_data, scratch_data, device_planes, data, bad)
+        _tails(group, stored_data, data)
+    merge_device.merge(data, [stored_data, scratch_data, device_planes], fused)
+    out = OnDevice(host, data, _joined(device_only), bad)
+    if wait:
+        out.check()
+    return out
+
+
+def _queued_upload(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    """``dst.copy_(src)`` for every pair (host to ``device``), queued on the current stream: gathered into
+    one buffer, one copy up (:func:`checkpointd.native.cuda_rtc.table_to`), scattered there. The host waits
+    for no device work (an upload through the restore's bounce waits for everything queued before it:
+    the other files' decoding)."""
+    if not pairs:
+        return
+    spans, end = [], 0
+    for dst, _ in pairs:
+        spans.append((end, end + dst.numel()))
+        end += dst.numel()
+    staging = torch.empty(end, dtype=torch.uint8)
+    torch._foreach_copy_([staging[a:b] for a, b in spans], [src for _, src in pairs])
+    landing = cuda_rtc.table_to(device, staging)
+    torch._foreach_copy_([dst for dst, _ in pairs], [landing[a:b] for a, b in spans])
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -169,6 +216,14 @@ def _plan(stored: memoryview, frames: list[int], natives: list[int],
             raise _in_chunk(exc, i, frames[i]) from exc
         chunks.append(chunk)
     return chunks, cursor, on_device
+
+
+def _has_host_work(c: _Chunk, check_crc: bool) -> bool:
+    """Whether :func:`_host_work` has anything to do for ``c`` (not for a planes chunk decoded on the device
+    whose CRC is not checked)."""
+    lay = c.layout
+    return lay.kind != KIND_PLANES or (check_crc and lay.crc_range is not None) or any(
+        mode != MODE_RAW and j not in c.on_device for j, (mode, _, _) in enumerate(lay.planes))
 
 
 def _host_work(stored: memoryview, c: _Chunk, host: np.ndarray, scratch: np.ndarray, check_crc: bool) -> None:
@@ -224,10 +279,29 @@ def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, dev
                 a = group[first].native[0]
                 out[a : a + (i - first) * n * size].copy_(merged[first:i].reshape(-1))
                 first = i
+
+
+def _fused(c: _Chunk) -> merge_device.Chunk:
+    """A chunk without nibble planes for :func:`checkpointd.codecs.merge_device.merge`: where each plane's bytes
+    are among the sources ``(stored, scratch, device_planes)``."""
+    lay = c.layout
+    planes = []
+    for j, (mode, start, _) in enumerate(lay.planes):
+        if mode == MODE_RAW:
+            planes.append((0, c.frame + start))
+        elif j in c.on_device:
+            planes.append((2, c.on_device[j].dst))
+        else:
+            planes.append((1, c.decoded[j][0]))
+    return merge_device.Chunk(c.native[0], lay.count, planes, lay.rotated)
+
+
+def _tails(group: list[_Chunk], stored: torch.Tensor, out: torch.Tensor) -> None:
+    """The bytes after a chunk's last whole element (stored as they are)."""
     for c in group:
         t0, t1 = c.layout.tail
         if t1 > t0:
-            a = c.native[0] + n * size
+            a = c.native[0] + c.layout.count * c.layout.itemsize
             out[a : c.native[1]].copy_(stored[c.frame + t0 : c.frame + t1])
 
 

@@ -285,6 +285,34 @@ def kernels(source: str, names: Sequence[str], device: torch.device, options: Se
         return out
 
 
+_table_streams: dict[int, Any] = {}
+
+
+def table_to(device: torch.device, table: torch.Tensor) -> torch.Tensor:
+    """A small host table (a kernel's arguments, a few host-decoded bytes) on ``device``, for use on the
+    current stream, without the host waiting for the device's queued work.
+
+    Why: a copy from pageable memory first waits for everything queued on its stream (on the current
+    stream, the kernels of a file decoded just before on another thread), and pinning memory for the
+    copy instead blocks the process (holding the GIL) while the driver is busy with a restore's uploads.
+    So the copy runs on a stream of its own that holds only such copies; the current stream waits for
+    it on the device, and the result is kept until the current stream's work is done with it.
+    """
+    if device.type != "cuda":
+        return table.to(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _libs_lock:
+        if index not in _table_streams:
+            _table_streams[index] = torch.cuda.Stream(torch.device("cuda", index))
+        side = _table_streams[index]
+    current = torch.cuda.current_stream(index)
+    with torch.cuda.stream(side):
+        out = table.to(side.device)
+    current.wait_stream(side)
+    out.record_stream(current)
+    return out
+
+
 _failed: dict[tuple[str, int], str] = {}
 
 
@@ -309,4 +337,4 @@ def kernels_available(source: str, names: Sequence[str], device: torch.device, w
 
 
 __all__ = ["Kernel", "KernelUnavailable", "compile_cubin", "driver_functions", "kernels", "kernels_available",
-           "load_origin", "primary_context"]
+           "load_origin", "primary_context", "table_to"]

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -86,6 +86,15 @@ class DeviceImage:
     device_only: list[tuple[int, int]] = field(default_factory=list)
     """Byte ranges ``[start, stop)`` of ``host`` not written yet (a file decoded on the device,
     :func:`decode_planes`): :func:`ensure_host` copies them back from ``data`` before the host reads them."""
+    unchecked: Callable[[], None] | None = None
+    """The device's check of a file it is still decoding (:func:`decode_planes`), not taken yet: :meth:`confirm`."""
+
+    def confirm(self) -> None:
+        """Wait for the device's decoding of this image and raise if it found the file damaged (once;
+        :func:`register` and every copy back to the host call it first)."""
+        check, self.unchecked = self.unchecked, None
+        if check is not None:
+            check()
 
     @property
     def start(self) -> int:
@@ -215,10 +224,13 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: in
     matched its manifest checksum, which covers every byte the chunks' own CRCs cover, so those are
     not computed again. ``stored``: ``buf`` already on the device (:func:`verify`'s image), else it is uploaded here. None
     where that does not apply (see :func:`verify`) or the device failed (logged): the caller decodes on
-    the host. Register the result, and read its host bytes only through :func:`ensure_host`.
+    the host. The result's host bytes are written and may be parsed while the device still decodes;
+    :func:`register` it (which waits for the device and takes its verdict), and read its other host bytes
+    only through :func:`ensure_host`.
 
     Raises:
-        CorruptCheckpointError: a damaged file, as the host decoder would find it.
+        CorruptCheckpointError: a damaged file, as the host decoder would find it (what only the device
+            finds is raised by :func:`register` or by a copy back to the host).
     """
     native = read_index(ViewFile(byte_view(buf)), PLANES_FOOTER_MAGIC, "zstd-planes")[1][-1]
     if native_size is not None and native != native_size:
@@ -231,7 +243,7 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: in
         if stored is None:
             _copy_pairs_up([(data, buf)])
         out = decode_on_device(byte_view(buf), data, default_executor(), upload=_copy_pairs_up, check_chunks=False,
-                               data=native_data)
+                               data=native_data, wait=False)
     except CorruptCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA error: the host decoder needs none of it
@@ -242,7 +254,7 @@ def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: in
         return None
     with _lock:
         stats["decoded"] += 1
-    return DeviceImage(out.host, out.data, out.device_only)
+    return DeviceImage(out.host, out.data, out.device_only, out.check)
 
 
 def _copy_pairs_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -314,6 +326,7 @@ _fill_lock = threading.Lock()
 
 def _fill(image: DeviceImage, wanted: list[tuple[int, int]]) -> None:
     """Copy the device-only parts of ``wanted`` (byte ranges of ``image``) from the device to the host."""
+    image.confirm()
     with _fill_lock:
         left: list[tuple[int, int]] = []
         for a, b in image.device_only:
@@ -369,9 +382,14 @@ def headroom_bytes(total: int) -> int:
 
 
 def register(image: DeviceImage | None) -> None:
-    """Make a verified image available to the apply of the restore in progress."""
+    """Make a verified image available to the apply of the restore in progress.
+
+    Raises:
+        CorruptCheckpointError: the device found the file damaged while decoding it (:meth:`DeviceImage.confirm`).
+    """
     if image is None:
         return
+    image.confirm()
     with _lock:
         for restore in _active:
             if restore.device == image.data.device:

@@ -152,22 +152,31 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
     if plain:
         device_image.register(image[0] if image else None)
     else:
+        stored = [buf]
         try:
             decoded = device_image.decode_planes(buf, image[0] if image else None, entry.raw_size) if planes else None
-            image.clear()  # the stored bytes' device copy is done with
             buf = decoded.host if decoded is not None else fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{where} could not be decompressed with codec {entry.codec!r}: {exc}") from exc
-        device_image.register(decoded)
+        image.clear()
+        drop_later(stored)  # the stored bytes are done with: unmapped or freed off this thread
+    content, failure = None, None
     try:
-        content = fastload.load_native_in_place(buf, entry.format)
+        content = fastload.load_native_in_place(buf, entry.format)  # beside the device's decoding, if any
+    except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
+        failure = exc
+    if decoded is not None:
+        try:
+            device_image.register(decoded)  # waits for the device's decoding: it raises if that found damage
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    if failure is None:
         if decoded is not None and not device_image.follows(content):
             device_image.fill_host(decoded)  # a tree ensure_host cannot follow: the host gets every byte now
         return content
-    except Exception as exc:  # noqa: BLE001 - the plain loader gives the precise error (unsafe, corrupt)
-        logger.debug("in-place load of %s failed (%r); using the plain loader", where, exc)
+    logger.debug("in-place load of %s failed (%r); using the plain loader", where, failure)
     if decoded is not None:
         device_image.fill_host(decoded)
     return load_native(fastload.BufferReader(byte_view(buf)), entry.format, where)
