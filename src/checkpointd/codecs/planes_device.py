@@ -1,24 +1,30 @@
-"""Decode a ``zstd-planes`` file onto a torch device: entropy stage on the host, planes merged on the device.
+"""Decode a ``zstd-planes`` file onto a torch device: the host checks, the device decodes and merges.
 
 Why: decoding a planes file on the host ends in the byte-plane merge, a pass over every native byte,
 and then the merged bytes still cross to the GPU. Here the stored file is already on the device (the
-restore uploaded it there to checksum it, :mod:`checkpointd.restore.device_image`), so the raw planes,
-which are most of a float file, never leave it. The host decodes only the zstd-coded planes (the
-exponents: a quarter of fp32's bytes, half as nibble codes) and the chunks that are not planes (zip
-headers, pickles, integer tensors), and uploads those few bytes once; the device unpacks the nibble
-codes, puts the escapes back, merges the planes and rotates the elements back, chunk by chunk.
+restore uploaded it there to checksum it, :mod:`checkpointd.restore.device_image`), so its planes never
+leave it. The host checks every chunk's layout and every Huffman plane's header, lengths and block
+ends, decodes the chunks that are not planes (zip headers, pickles, integer tensors) and uploads those
+few bytes in one queued copy; on the device the Huffman blocks are decoded
+(:mod:`checkpointd.codecs.huffman_device`) and one kernel (:mod:`checkpointd.codecs.merge_device`) reads
+each chunk's planes and writes its elements, rotated back. Planes of earlier releases (nibble codes,
+zstd frames) are decoded on the host and merged with torch operations, group by group.
+
+Nothing here waits for the device until :meth:`OnDevice.check`: a restore parses the file's host bytes
+meanwhile. Measured on an H200 host (4.83 GB reference state, two files, tmpfs): a restore of the
+planes checkpoint took 0.167-0.189 s at best against 0.153-0.158 uncompressed.
 
 nvCOMP or any other device entropy decoder is not used: checkpoint bytes are untrusted, and nvCOMP's
 zstd and deflate decoders are documented to take valid input only. Every index and size is checked on
 the host (:func:`checkpointd.codecs.planes.read_chunk_layout`) before the device sees it, device
 indexing is clamped so that no input can address outside its tensors, and what only the device can
-check (the number of escape codes of a nibble plane) is gathered in one flag read after the last chunk.
+check (that every Huffman block decodes to exactly its symbols, the escapes of a nibble plane) is
+gathered in one flag, read once by :meth:`OnDevice.check`.
 
 The result is exact: the same bytes as :func:`checkpointd.codecs.planes.decode_chunk_into` gives for every
-chunk, with the same refusals (a chunk CRC, a zstd frame of the wrong size, a wrong escape count). The host
-copy of the native bytes (:attr:`OnDevice.host`) holds only the chunks decoded on the host; the ranges of
-the planes chunks (:attr:`OnDevice.device_only`) are filled on the host only on demand
-(:func:`checkpointd.restore.device_image.ensure_host`).
+chunk, with the same refusals. The host copy of the native bytes (:attr:`OnDevice.host`) holds only the
+chunks decoded on the host; the ranges of the planes chunks (:attr:`OnDevice.device_only`) are filled on
+the host only on demand (:func:`checkpointd.restore.device_image.ensure_host`).
 """
 
 from __future__ import annotations
