@@ -282,3 +282,28 @@ def test_every_file_size_slices_the_same_combining_tables(monkeypatch, levels_bu
     monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
     data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
+
+
+def test_an_image_still_decoding_is_neither_registered_nor_copied_back_before_its_verdict() -> None:
+    """A file decoded on the device is parsed while the device works; its verdict is taken (once) before
+    the image is registered or any of its device bytes reach the host, and a damaged verdict raises."""
+    host, data = torch.zeros(64, dtype=torch.uint8), torch.arange(64, dtype=torch.uint8)
+    verdicts = []
+
+    def damaged() -> None:
+        verdicts.append(1)
+        raise CorruptCheckpointError("a Huffman plane does not decode")
+
+    image = device_image.DeviceImage(host, data, [(0, 64)], damaged)
+    with pytest.raises(CorruptCheckpointError, match="does not decode"):
+        device_image.fill_host(image)
+    assert torch.equal(host, torch.zeros(64, dtype=torch.uint8)) and verdicts == [1]
+    image = device_image.DeviceImage(host, data, [(0, 64)], damaged)
+    with device_image.verifying_on(torch.device("cpu")):
+        with pytest.raises(CorruptCheckpointError, match="does not decode"):
+            device_image.register(image)
+        assert device_image.take_from_images([(torch.empty(4, dtype=torch.uint8), host[:4])], torch.device("cpu"))[0] == []
+    sound = device_image.DeviceImage(host, data, [(0, 64)], lambda: verdicts.append(2))
+    device_image.fill_host(sound)
+    device_image.fill_host(sound)  # the verdict is taken once
+    assert torch.equal(host, data) and verdicts == [1, 1, 2]
