@@ -184,3 +184,31 @@ def test_the_merge_kernel_is_given_only_ranges_inside_its_tensors() -> None:
             merge_device.merge(out, sources, [chunk])
     with pytest.raises(ValueError, match="contiguous 1-D uint8"):
         merge_device.merge(out.view(torch.int32), sources, [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_merge_kernels_rows_point_at_each_chunks_planes(dtype) -> None:
+    """What the CUDA merge kernel is given for a chunk (``_fused``: where each plane is among the stored
+    file, the host-decoded bytes and the device-decoded planes) merges, on the host, into the chunk's
+    native bytes."""
+    from checkpointd.codecs import huffman_device, planes_device
+
+    native, stored = planes_file(dtype, 300_007)
+    view = memoryview(stored)
+    frames, natives = container.read_index(container.ViewFile(view), container.PLANES_FOOTER_MAGIC, "zstd-planes")
+    chunks, decoded_nbytes, on_device_nbytes = planes_device._plan(view, frames, natives, True)
+    device_planes = torch.zeros(on_device_nbytes, dtype=torch.uint8)
+    bad = torch.zeros((), dtype=torch.bool)
+    huffman_device.decode(_as_tensor(stored), device_planes, [p for c in chunks for p in c.on_device.values()], bad)
+    assert not bool(bad) and decoded_nbytes == 0  # every coded plane decoded on the "device"
+    sources = [np.frombuffer(stored, dtype=np.uint8), np.zeros(0, dtype=np.uint8), device_planes.numpy()]
+    merged = 0
+    for c in chunks:
+        if c.layout.kind != kernels.KIND_PLANES:
+            continue
+        row = planes_device._fused(c)
+        out = np.empty(row.count * len(row.planes), dtype=np.uint8)
+        plane_kernels.from_planes([sources[k][at : at + row.count] for k, at in row.planes], out, row.rotated)
+        assert out.tobytes() == native[row.at : row.at + out.size]
+        merged += 1
+    assert merged >= 2

@@ -155,15 +155,16 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     bad = torch.zeros((), dtype=torch.bool, device=device)
     device_planes = torch.empty(on_device_nbytes, dtype=torch.uint8, device=device)
     huffman_device.decode(stored_data, device_planes, [p for c in chunks for p in c.on_device.values()], bad)
+    sources = [stored_data, scratch_data, device_planes]
     fused: list[merge_device.Chunk] = []
     use_kernel = merge_device.available(device)
     for group in groups.values():
         if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
             fused += [_fused(c) for c in group]
         else:
-            _merge(group, stored_data, scratch_data, device_planes, data, bad)
+            _merge(group, sources, data, bad)
         _tails(group, stored_data, data)
-    merge_device.merge(data, [stored_data, scratch_data, device_planes], fused)
+    merge_device.merge(data, sources, fused)
     out = OnDevice(host, data, _joined(device_only), bad)
     if wait:
         out.check()
@@ -255,24 +256,20 @@ def _host_work(stored: memoryview, c: _Chunk, host: np.ndarray, scratch: np.ndar
         raise _in_chunk(exc, c.index, c.frame) from exc
 
 
-def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, device_planes: torch.Tensor,
-           out: torch.Tensor, bad: torch.Tensor) -> None:
-    """The native bytes of a group of planes chunks (one :meth:`_Chunk.group`) into ``out``, on the device:
-    a fixed number of device operations for the whole group, one copy per run of adjacent chunks."""
+def _merge(group: list[_Chunk], sources: list[torch.Tensor], out: torch.Tensor, bad: torch.Tensor) -> None:
+    """The native bytes of a group of planes chunks (one :meth:`_Chunk.group`) into ``out``, on the device,
+    with torch operations (nibble planes, or no merge kernel): a fixed number of device operations for the
+    whole group, one copy per run of adjacent chunks. ``sources``: ``(stored, scratch, device_planes)``."""
     lay = group[0].layout
     n, size = lay.count, lay.itemsize
     if n:
         planes = []
         for j, (mode, _, _) in enumerate(lay.planes):
-            if mode == MODE_RAW:
-                planes.append(_rows(stored, [(c.frame + c.layout.planes[j][1], c.frame + c.layout.planes[j][2])
-                                             for c in group]))
-            elif mode == MODE_NIBBLES:
-                planes.append(_unpack_nibbles(scratch, [c.decoded[j] for c in group], n, bad))
-            elif j in group[0].on_device:
-                planes.append(_rows(device_planes, [(c.on_device[j].dst, c.on_device[j].dst + n) for c in group]))
+            if mode == MODE_NIBBLES:
+                planes.append(_unpack_nibbles(sources[1], [c.decoded[j] for c in group], n, bad))
             else:
-                planes.append(_rows(scratch, [c.decoded[j][:2] for c in group]))
+                k = _plane_at(group[0], j)[0]  # one source for the whole group (:meth:`_Chunk.group`)
+                planes.append(_rows(sources[k], [(at, at + n) for at in (_plane_at(c, j)[1] for c in group)]))
         merged = torch.stack(planes, dim=2)  # (chunks, n, itemsize): element bytes, least significant first
         if lay.rotated:
             wide = merged.view(_WIDE[size])
@@ -287,19 +284,21 @@ def _merge(group: list[_Chunk], stored: torch.Tensor, scratch: torch.Tensor, dev
                 first = i
 
 
+def _plane_at(c: _Chunk, j: int) -> tuple[int, int]:
+    """Where plane ``j`` (not a nibble plane) of ``c`` is: ``(source, byte offset)`` among the sources
+    ``(stored, scratch, device_planes)``: stored raw, decoded on the host, decoded on the device."""
+    mode, start, _ = c.layout.planes[j]
+    if mode == MODE_RAW:
+        return 0, c.frame + start
+    if j in c.on_device:
+        return 2, c.on_device[j].dst
+    return 1, c.decoded[j][0]
+
+
 def _fused(c: _Chunk) -> merge_device.Chunk:
-    """A chunk without nibble planes for :func:`checkpointd.codecs.merge_device.merge`: where each plane's bytes
-    are among the sources ``(stored, scratch, device_planes)``."""
+    """A chunk without nibble planes for :func:`checkpointd.codecs.merge_device.merge`."""
     lay = c.layout
-    planes = []
-    for j, (mode, start, _) in enumerate(lay.planes):
-        if mode == MODE_RAW:
-            planes.append((0, c.frame + start))
-        elif j in c.on_device:
-            planes.append((2, c.on_device[j].dst))
-        else:
-            planes.append((1, c.decoded[j][0]))
-    return merge_device.Chunk(c.native[0], lay.count, planes, lay.rotated)
+    return merge_device.Chunk(c.native[0], lay.count, [_plane_at(c, j) for j in range(len(lay.planes))], lay.rotated)
 
 
 def _tails(group: list[_Chunk], stored: torch.Tensor, out: torch.Tensor) -> None:
