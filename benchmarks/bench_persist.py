@@ -8,7 +8,7 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   and into several files, fsync'd; every thread count of --raw-threads; on disks also with each chunk
   handed to the disk once written (``sync_file_range``, "writeback"); the best is the ceiling "raw";
 - torch_save: torch.save({"model": ..., "optim": ...}) of the same state, then fsync of the file;
-- checkpointd / checkpointd_threads / checkpointd_zstd: time from maybe_save(step, force=True) until
+- checkpointd / checkpointd_threads / checkpointd_zstd / checkpointd_planes: time from maybe_save(step, force=True) until
   wait() returns (the checkpoint is committed and durable); the targets apply to this. Each manager's
   first save is a warm-up timed apart ("warm-up s"): it pins the staging arena, which a training run
   allocates ahead of its first save. The default writes the tensor records from the persist process
@@ -16,6 +16,9 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   written by threads of this process. See bench_stall.py for what each costs the training steps. For
   diagnosis, also the time until wait_for_snapshot() returns ("snapshot ms") and the throughput from
   then to wait() ("GB/s after snapshot": the persist alone, if the writer does not overlap the snapshot);
+- checkpointd_device / checkpointd_device_planes (``--state-on device``): the same with device staging;
+  with ``zstd-planes`` the float tensors are encoded on the GPU (checkpointd.save.device_encode), so the
+  pair shows what compression costs a save's time to commit there;
 - checkpointd_recycle: the steady state of training (keep_last=1), each save written over the files
   that retention retired (checkpointd.storage.recycle).
 
@@ -52,7 +55,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_threads", "checkpointd_zstd"]
+ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_threads", "checkpointd_zstd",
+               "checkpointd_planes", "checkpointd_device", "checkpointd_device_planes"]
+DEVICE_METHODS = {"checkpointd_device", "checkpointd_device_planes"}
+"""Rows with device staging (``StagingOptions(device_budget_bytes=...)``; a state on the GPU): with
+``zstd-planes`` the floats are encoded on the GPU (``checkpointd.save.device_encode``)."""
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.storage.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
@@ -235,11 +242,19 @@ class CheckpointdRow(Row):
         if self.knobs:
             self.data["notes"].append(" ".join(f"{k}={v}" for k, v in self.knobs.items()))
         ckd = C.try_import_checkpointd()
-        self.compression = "zstd" if method.endswith("zstd") else None
+        self.compression = "zstd" if method.endswith("zstd") else "zstd-planes" if method.endswith("planes") else None
+        self.staging: dict = {}
         if isinstance(ckd, str):
             self.data["error"] = ckd
         elif self.compression and not C.has_zstd():
             self.data["skipped"] = "zstandard is not installed"
+        elif method in DEVICE_METHODS:
+            kw, why = C.device_staging_kwargs(None) if dev.cuda and args.state_on == "device" else (None, "")
+            if kw is None:
+                self.data["skipped"] = why or "device staging needs the state on a CUDA device (--state-on device)"
+            else:
+                self.staging = kw
+                self.data["notes"].append(why)
 
     def once(self) -> float:
         row, d = self.data, self.dir
@@ -247,6 +262,7 @@ class CheckpointdRow(Row):
             if self.mgr is None:
                 C.clean_dir(d)
                 kw = dict(keep_last=1 if self.method == RECYCLING else None, compression=self.compression, max_pending=1)
+                kw.update(self.staging)
                 kw.update(C.parse_json_arg(self.args.ckd_kwargs))
                 t0 = time.perf_counter()
                 self.mgr = C.make_manager(d, {"model": self.model, "optim": self.opt}, notes=row["notes"], **kw)

@@ -95,13 +95,13 @@ def legacy_encode_planes(view: memoryview, itemsize: int, worth: list[bool],
         stored = sum(len(p) for p in parts) if parts is not None else plane.nbytes
         if parts is None or stored >= plane.nbytes:
             parts, mode, stored = [plane], planes.MODE_RAW, plane.nbytes
-        table.append(planes._PLANE.pack(mode, stored))
+        table.append(planes.PLANE.pack(mode, stored))
         for part in parts:
             crc = crc32(part, crc)
         blobs += parts
     crc = crc32(view[whole:], crc)
-    flags = planes._FLAG_ROTATED | planes._FLAG_CRC_ALL
-    header = planes._CHUNK_HEADER.pack(planes.KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
+    flags = planes.FLAG_ROTATED | planes.FLAG_CRC_ALL
+    header = planes.CHUNK_HEADER.pack(planes.KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
     return [header, *blobs, view[whole:]]
 
 

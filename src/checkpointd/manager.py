@@ -51,7 +51,7 @@ from checkpointd.policy import RetentionPolicy, SaveSchedule
 from checkpointd.preemption import PreemptionWatcher, resolve_signals
 from checkpointd.restore import bounce
 from checkpointd.rng import capture_rng
-from checkpointd.save import gcfreeze
+from checkpointd.save import device_encode, gcfreeze
 from checkpointd.save.inflight import InFlight
 from checkpointd.save.savejob import blank_file_sizes, files_ahead, prewarm_reductions, stage_save, staging_layout
 from checkpointd.save.snapshot import Snapshotter
@@ -139,6 +139,7 @@ class CheckpointManager:
         self._restorer = Restorer(self._roots, self._entries, self._schedule, self._dist)
         self._snap = Snapshotter(max_arenas=max_pending, device_budget_bytes=staging.device_budget_bytes,
                                  host_budget_bytes=staging.host_budget_bytes, on_arena_ready=prewarm_reductions)
+        self._snap.device_encodes = device_encode.encodes_for(self._codec, self._store, staging, self._dist is None)
         threads = io.threads()
         # The writer's hooks: the committer thread's per-save work that belongs to the manager. A restore's
         # pinned bounce chunks are given back after each committed save (``bounce.release_pinned``).

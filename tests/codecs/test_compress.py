@@ -327,7 +327,7 @@ def test_plane_kernels_match_reference(dtype: torch.dtype, numel: int) -> None:
             parts = kernels.encode_planes(chunk, itemsize, worth)
             assert [bytes(p) for p in parts[1 : 1 + itemsize] if not worth[0]] == (expected if not worth[0] else [])
             body = b"".join(bytes(p) for p in parts)
-            frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+            frame = container.FRAME_HEADER.pack(kernels.SKIPPABLE_CHUNK_MAGIC, len(body)) + body
             decoded = np.zeros(len(chunk), dtype=np.uint8)
             kernels.decode_chunk_into(memoryview(frame), decoded)
             assert decoded.tobytes() == bytes(chunk)
@@ -349,9 +349,9 @@ def test_nibble_planes_round_trip_with_escapes(numel: int) -> None:
     base = max(0, int(np.bincount(planes[3], minlength=256).argmax()) - 7)
     parts = legacy_encode_planes(memoryview(raw), 4, [False, False, True, True], [None, None, None, base])
     body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
-    mode = kernels._PLANE.unpack_from(body, kernels._CHUNK_HEADER.size + 3 * kernels._PLANE.size)[0]
+    mode = kernels.PLANE.unpack_from(body, kernels.CHUNK_HEADER.size + 3 * kernels.PLANE.size)[0]
     assert mode == (2 if numel > 10_000 else mode)
-    frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    frame = container.FRAME_HEADER.pack(kernels.SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -373,9 +373,9 @@ def test_planes_chunks_with_a_crc_of_raw_planes_only_decode() -> None:
     exponent = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(planes[3].tobytes())
     stored = [planes[0].tobytes(), planes[1].tobytes(), planes[2].tobytes(), exponent]
     crc = codecs_crc.crc32(b"".join(stored[:3]))
-    table = b"".join(kernels._PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
-    body = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
-    frame = container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    table = b"".join(kernels.PLANE.pack(0 if i < 3 else 1, len(p)) for i, p in enumerate(stored))
+    body = kernels.CHUNK_HEADER.pack(kernels.KIND_PLANES, 4, 1, len(raw), crc) + table + b"".join(stored)
+    frame = container.FRAME_HEADER.pack(kernels.SKIPPABLE_CHUNK_MAGIC, len(body)) + body
     decoded = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(memoryview(frame), decoded)
     assert decoded.tobytes() == raw
@@ -409,11 +409,11 @@ def test_planes_merge_in_many_blocks_with_a_partial_last_block(dtype: torch.dtyp
 def _planes_frame(kernels, itemsize: int, stored: list[tuple[int, bytes]], native: int) -> bytes:
     """A planes chunk frame (rotated, CRC of every stored byte) from ``(mode, stored bytes)`` per plane."""
     blobs = b"".join(blob for _, blob in stored)
-    table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
-    flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
-    header = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native, codecs_crc.crc32(blobs))
+    table = b"".join(kernels.PLANE.pack(mode, len(blob)) for mode, blob in stored)
+    flags = kernels.FLAG_ROTATED | kernels.FLAG_CRC_ALL
+    header = kernels.CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native, codecs_crc.crc32(blobs))
     body = header + table + blobs
-    return container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    return container.FRAME_HEADER.pack(kernels.SKIPPABLE_CHUNK_MAGIC, len(body)) + body
 
 
 @pytest.mark.parametrize("escapes", [0, 1, 2, 5])

@@ -56,12 +56,12 @@ def _file(frames: list[tuple[bytes, int]]) -> bytes:
 
 def _planes_frame(itemsize: int, stored: list[tuple[int, bytes]], native: int, crc: int | None = None) -> bytes:
     blobs = b"".join(blob for _, blob in stored)
-    table = b"".join(kernels._PLANE.pack(mode, len(blob)) for mode, blob in stored)
-    flags = kernels._FLAG_ROTATED | kernels._FLAG_CRC_ALL
-    header = kernels._CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native,
+    table = b"".join(kernels.PLANE.pack(mode, len(blob)) for mode, blob in stored)
+    flags = kernels.FLAG_ROTATED | kernels.FLAG_CRC_ALL
+    header = kernels.CHUNK_HEADER.pack(kernels.KIND_PLANES, itemsize, flags, native,
                                         zlib.crc32(blobs) if crc is None else crc)
     body = header + table + blobs
-    return container.FRAME_HEADER.pack(kernels._SKIPPABLE_CHUNK_MAGIC, len(body)) + body
+    return container.FRAME_HEADER.pack(kernels.SKIPPABLE_CHUNK_MAGIC, len(body)) + body
 
 
 def _nibble_file(claimed: int, escapes: int) -> tuple[bytes, bytes]:
@@ -110,8 +110,8 @@ def test_more_escapes_than_values_are_refused_before_any_decoding() -> None:
 def test_a_plane_table_past_the_chunk_and_a_raw_plane_of_the_wrong_size_are_refused() -> None:
     count = 256
     frame = bytearray(_planes_frame(2, [(kernels.MODE_RAW, bytes(count)), (kernels.MODE_RAW, bytes(count))], 2 * count))
-    at = container.FRAME_HEADER.size + kernels._CHUNK_HEADER.size + kernels._PLANE.size  # plane 1's entry
-    frame[at : at + kernels._PLANE.size] = kernels._PLANE.pack(kernels.MODE_ZSTD, 1 << 30)
+    at = container.FRAME_HEADER.size + kernels.CHUNK_HEADER.size + kernels.PLANE.size  # plane 1's entry
+    frame[at : at + kernels.PLANE.size] = kernels.PLANE.pack(kernels.MODE_ZSTD, 1 << 30)
     with pytest.raises(CorruptCheckpointError, match="bad plane 1"):
         _decode(_file([(bytes(frame), 2 * count)]))
     short = _planes_frame(2, [(kernels.MODE_RAW, bytes(count - 1)), (kernels.MODE_RAW, bytes(count + 1))], 2 * count)

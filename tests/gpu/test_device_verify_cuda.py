@@ -17,7 +17,8 @@ from checkpointd import CheckpointManager
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.native import cuda_rtc
 from checkpointd.native import upload as upload_native
-from checkpointd.restore import bounce, device_crc, device_image, fastload
+from checkpointd.codecs import device_crc
+from checkpointd.restore import bounce, device_image, fastload
 
 from test_restore_cuda import _assert_same, _model, _scramble, _trained, _use
 
@@ -54,6 +55,16 @@ def test_device_crc_equals_zlib(use_kernel) -> None:
         assert device_crc.crc32_of(buf, use_kernel=use_kernel) == zlib.crc32(host.tobytes()), n
 
 
+def test_many_device_crcs_at_once_equal_zlib() -> None:
+    rng = np.random.default_rng(1)
+    sizes = [0, 7, 4096, 4096 * 5 + 3, 1 << 20, (1 << 20) + 4096, (37 << 20) + 4093, 3 * 4096, 4096 * 5 + 11]
+    hosts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    bufs = [torch.from_numpy(h).cuda() for h in hosts]
+    assert device_crc.crc32_many(bufs) == [zlib.crc32(h.tobytes()) for h in hosts]
+    assert device_crc.crc32_many(bufs[2:3] + [bufs[4][4:]]) == [zlib.crc32(hosts[2].tobytes()),
+                                                             zlib.crc32(hosts[4][4:].tobytes())]
+
+
 def test_crc_of_a_buffer_not_16_byte_aligned_takes_torch_ops() -> None:
     host = np.random.default_rng(5).integers(0, 256, 3 * 4096 + 4 + 9, dtype=np.uint8)
     buf = torch.from_numpy(host).cuda()[4:]  # 4-byte aligned only: the kernel's 16-byte loads do not apply
@@ -71,7 +82,7 @@ def test_nvrtc_builds_the_kernels_and_reports_compile_errors() -> None:
 _FRESH = """
 import json, zlib, torch
 from checkpointd.native import cuda_rtc
-from checkpointd.restore import device_crc
+from checkpointd.codecs import device_crc
 buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
 ok = device_crc.kernel_available(buf.device) and device_crc.crc32_of(buf) == zlib.crc32(buf.cpu().numpy().tobytes())
 print(json.dumps({"ok": ok, "origin": list(cuda_rtc.load_origin.values())}))

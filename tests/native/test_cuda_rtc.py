@@ -14,7 +14,7 @@ import torch
 
 from checkpointd import options
 from checkpointd.native import cuda_rtc, kernel_cache
-from checkpointd.restore import device_crc
+from checkpointd.codecs import device_crc
 
 
 @pytest.fixture

@@ -104,7 +104,7 @@ def test_native_and_numpy_decode_earlier_releases_nibble_and_zstd_planes_alike(l
     itemsize = plane_itemsize(dtype)
     with legacy_encoder():
         frame = _frame(kernels.encode_chunk(memoryview(raw), itemsize, 1))
-    modes = {kernels._PLANE.unpack_from(frame, 8 + kernels._CHUNK_HEADER.size + 8 * j)[0] for j in range(itemsize)}
+    modes = {kernels.PLANE.unpack_from(frame, 8 + kernels.CHUNK_HEADER.size + 8 * j)[0] for j in range(itemsize)}
     assert modes & {kernels.MODE_NIBBLES, kernels.MODE_ZSTD} and kernels.MODE_HUFFMAN not in modes
     native_out = np.zeros(len(raw), dtype=np.uint8)
     kernels.decode_chunk_into(frame, native_out)
@@ -213,3 +213,26 @@ def test_damaged_planes_chunk_is_refused_by_the_native_decoder(lib) -> None:
         broken[offset] ^= 0x04
         with pytest.raises(CorruptCheckpointError):
             kernels.decode_chunk_into(memoryview(bytes(broken)), out)
+
+
+def test_native_code_lengths_are_the_pythons_on_ties_and_skew(lib, monkeypatch) -> None:
+    from checkpointd.codecs import huffman
+
+    rng = np.random.default_rng(3)
+    cases = []
+    for high in (2, 3, 50, 10**9):
+        for _ in range(150):
+            counts = np.zeros(256, dtype=np.int64)
+            present = rng.choice(256, int(rng.integers(1, 257)), replace=False)
+            counts[present] = rng.integers(1, high, present.size)
+            cases.append(counts)
+    skewed = np.zeros(256, dtype=np.int64)
+    skewed[:40] = (1 << 24) >> np.arange(40)  # geometric: needs many halvings to fit 11 bits
+    cases += [skewed, np.zeros(256, dtype=np.int64), np.eye(256, dtype=np.int64)[7] * 9, np.ones(256, dtype=np.int64)]
+    native = [huffman.code_lengths(c) for c in cases]
+    assert native[-4].max() == huffman.MAX_BITS
+    monkeypatch.setattr(planes_native, "library", lambda: None)
+    for counts, lengths in zip(cases, native):
+        assert np.array_equal(lengths, huffman.code_lengths(counts)), counts
+    with pytest.raises(ValueError, match="256 counts"):
+        planes_native.code_lengths(lib, np.ones(255, dtype=np.int64), 11)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from checkpointd import CheckpointManager, commit
-from checkpointd.restore import device_crc
+from checkpointd.codecs import device_crc
 from checkpointd.restore import device_image
 from checkpointd.restore import fastload
 from checkpointd.format import layout

@@ -68,6 +68,19 @@ class ChunkedEncoder:
             self._submit(piece, self.dtype_hint)
         return view.nbytes
 
+    def write_frames(self, data: Any, frames: Iterable[tuple[int, int, int]]) -> None:
+        """Chunk frames encoded elsewhere (:mod:`checkpointd.codecs.encode_device`), in stream order:
+        ``(offset in data, frame bytes, native bytes)`` each. ``data`` stays unchanged until :meth:`close`."""
+        view = memoryview(data).cast("B")
+        self._flush_pending()
+        for at, size, native in frames:
+            done: Future[list[Any]] = Future()
+            done.set_result([view[at : at + size]])
+            self.native_nbytes += native
+            self._inflight.append((done, native))
+        while self._inflight and self._inflight[0][0].done():
+            self._drain_one()
+
     def drain(self) -> None:
         """Wait until no buffer passed to :meth:`write` is referenced any more (encoded and written).
 

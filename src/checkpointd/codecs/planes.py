@@ -35,22 +35,22 @@ from checkpointd.native import planes as planes_native
 
 _SAMPLE_ELEMENTS = 16 << 10
 _SAMPLE_SLICES = 4
-_RANDOM_ENTROPY_BITS = 7.86
+RANDOM_ENTROPY_BITS = 7.86
 """A sample plane above this is stored raw untried: zstd keeps Huffman-coded literals only when they save
 over 1/64 of the block (``ZSTD_minGain``), impossible above 7.875 bits a byte; 16 Ki samples read ~0.01 low."""
 _NIBBLE_COVERAGE = 0.995
 """A compressible plane is nibble-packed when this share of its sample falls in one window of 15 values."""
 
-_CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 (see _FLAG_CRC_ALL)
-_PLANE = struct.Struct("<BxxxI")  # mode, stored size
-_SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
+CHUNK_HEADER = struct.Struct("<BBBxQI")  # kind, itemsize, flags, native size, CRC-32 (see FLAG_CRC_ALL)
+PLANE = struct.Struct("<BxxxI")  # mode, stored size
+SKIPPABLE_CHUNK_MAGIC = 0x184D2A53
 
 KIND_RAW, KIND_ZSTD, KIND_PLANES = 0, 1, 2
 MODE_RAW, MODE_ZSTD, MODE_NIBBLES, MODE_HUFFMAN = 0, 1, 2, 3
 """How a plane is stored. The encoder writes raw and Huffman planes (:mod:`checkpointd.codecs.huffman`);
 zstd and nibble planes are read, for files written before the Huffman planes."""
-_FLAG_ROTATED = 1
-_FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes then carry no checksum)
+FLAG_ROTATED = 1
+FLAG_CRC_ALL = 2  # the chunk CRC covers every stored plane byte (zstd planes then carry no checksum)
 
 
 
@@ -87,7 +87,7 @@ def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | N
     worth, estimate = [], 0.0
     for plane in to_planes(sample, itemsize):
         bits = _entropy_bits(np.bincount(plane, minlength=256))
-        worth.append(bits < _RANDOM_ENTROPY_BITS)
+        worth.append(bits < RANDOM_ENTROPY_BITS)
         estimate += plane.size * (bits / 8 if worth[-1] else 1)
     if len(compressor(level).compress(sample)) < 0.95 * estimate:
         return None
@@ -113,13 +113,13 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
             coded_nbytes = sum(memoryview(p).nbytes for p in coded)
             if coded_nbytes < plane.nbytes:
                 parts, mode, stored = coded, MODE_HUFFMAN, coded_nbytes
-        table.append(_PLANE.pack(mode, stored))
+        table.append(PLANE.pack(mode, stored))
         for part in parts:
             crc = crc32(part, crc)
         blobs += parts
     crc = crc32(view[whole:], crc)
-    flags = _FLAG_ROTATED | _FLAG_CRC_ALL
-    header = _CHUNK_HEADER.pack(KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
+    flags = FLAG_ROTATED | FLAG_CRC_ALL
+    header = CHUNK_HEADER.pack(KIND_PLANES, itemsize, flags, view.nbytes, crc) + b"".join(table)
     return [header, *blobs, view[whole:]]
 
 
@@ -133,11 +133,11 @@ def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:
     if parts is None:
         packed = compressor(level).compress(view)
         if len(packed) < view.nbytes:
-            parts = [_CHUNK_HEADER.pack(KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
+            parts = [CHUNK_HEADER.pack(KIND_ZSTD, 1, 0, view.nbytes, 0), packed]
         else:
-            parts = [_CHUNK_HEADER.pack(KIND_RAW, 1, 0, view.nbytes, crc32(view)), view]
+            parts = [CHUNK_HEADER.pack(KIND_RAW, 1, 0, view.nbytes, crc32(view)), view]
     payload_nbytes = sum(memoryview(p).nbytes for p in parts)
-    return [FRAME_HEADER.pack(_SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
+    return [FRAME_HEADER.pack(SKIPPABLE_CHUNK_MAGIC, payload_nbytes), *parts]
 
 
 # -- decoding -----------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:
 def decode_chunk_into(frame: memoryview, out: np.ndarray) -> None:
     """Decode one planes-container chunk frame into ``out`` (its native bytes, exactly)."""
     kind, itemsize, flags, size, crc = _chunk_header(frame, out.nbytes)
-    body = frame[FRAME_HEADER.size + _CHUNK_HEADER.size :]
+    body = frame[FRAME_HEADER.size + CHUNK_HEADER.size :]
     if kind == KIND_RAW and body.nbytes == size:
         _check_crc(crc32(body), crc)
         copy_into(out, body)
@@ -162,17 +162,17 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     """Native bytes of a planes chunk into ``out``: planes decoded into scratch, then merged into ``out``."""
     native_nbytes = out.nbytes
     count = native_nbytes // itemsize
-    pos, actual_crc = _PLANE.size * itemsize, 0
-    crc_all = bool(flags & _FLAG_CRC_ALL)
+    pos, actual_crc = PLANE.size * itemsize, 0
+    crc_all = bool(flags & FLAG_CRC_ALL)
     if crc_all:  # one CRC call over planes and tail (contiguous), before any plane is parsed
-        _check_crc(crc32(body[_PLANE.size * itemsize :]), crc)
+        _check_crc(crc32(body[PLANE.size * itemsize :]), crc)
     flat = scratch("planes", count * itemsize + 1)  # + 1: slack for zstd_decompress_slack
     decoded = flat[: count * itemsize].reshape(itemsize, count)
     lib = planes_native.library()
     planes: list[np.ndarray] = []  # NumPy kernels: every plane's bytes
     native: list[tuple[int, Any, int, Any, int]] = []  # native kernel: planes and nibble codes as stored
     for i in range(itemsize):
-        mode, stored = _PLANE.unpack_from(body, _PLANE.size * i)
+        mode, stored = PLANE.unpack_from(body, PLANE.size * i)
         blob = body[pos : pos + stored]
         pos += stored
         if blob.nbytes != stored or (mode == MODE_RAW and stored != count):
@@ -187,7 +187,7 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
         elif mode == MODE_ZSTD:
             planes.append(decoded[i])
             zstd_decompress_slack(blob, flat[i * count : (i + 1) * count + 1])  # slack: next plane's
-        elif mode == MODE_NIBBLES and flags & _FLAG_CRC_ALL and stored >= NIBBLES.size:
+        elif mode == MODE_NIBBLES and flags & FLAG_CRC_ALL and stored >= NIBBLES.size:
             base, escaped, packed = _read_nibbles(blob, count, f"packed{i}" if lib is not None else "packed")
             if lib is not None:
                 half = (count + 1) // 2
@@ -208,9 +208,9 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
     if not count:
         return
     if lib is None:
-        from_planes(planes, out[: count * itemsize], rotated=bool(flags & _FLAG_ROTATED))
+        from_planes(planes, out[: count * itemsize], rotated=bool(flags & FLAG_ROTATED))
         return
-    bad = planes_native.decode_planes(lib, native, count, bool(flags & _FLAG_ROTATED), out[: count * itemsize])
+    bad = planes_native.decode_planes(lib, native, count, bool(flags & FLAG_ROTATED), out[: count * itemsize])
     if bad:
         _, _, _, _, escaped = native[bad - 1]
         raise CorruptCheckpointError(f"nibble plane {bad - 1} has a different number of escape codes than "
@@ -219,12 +219,12 @@ def _decode_planes_into(body: memoryview, itemsize: int, flags: int, crc: int, o
 
 def _chunk_header(frame: memoryview, native_nbytes: int) -> tuple[int, int, int, int, int]:
     """``(kind, itemsize, flags, native size, crc)`` of a chunk frame whose index entry says ``native_nbytes``."""
-    if frame.nbytes < FRAME_HEADER.size + _CHUNK_HEADER.size:
+    if frame.nbytes < FRAME_HEADER.size + CHUNK_HEADER.size:
         raise CorruptCheckpointError(f"chunk frame of {frame.nbytes} bytes is too short")
     magic, payload_nbytes = FRAME_HEADER.unpack_from(frame)
-    if magic != _SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
+    if magic != SKIPPABLE_CHUNK_MAGIC or payload_nbytes != frame.nbytes - FRAME_HEADER.size:
         raise CorruptCheckpointError(f"bad chunk frame header (magic {magic:#x}, size {payload_nbytes})")
-    header = _CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
+    header = CHUNK_HEADER.unpack_from(frame, FRAME_HEADER.size)
     if header[3] != native_nbytes:
         raise CorruptCheckpointError(f"chunk says {header[3]} native bytes, the index {native_nbytes}")
     return header
@@ -238,7 +238,7 @@ class ChunkLayout:
     :mod:`checkpointd.codecs.planes_device`): ``planes`` holds ``(mode, start, stop)`` per plane of a
     planes chunk (empty for the other kinds), ``crc_range`` the bytes the chunk's CRC covers
     (``None``: a zstd chunk, whose frame carries its own checksum; an older planes chunk without
-    ``_FLAG_CRC_ALL`` is refused here and left to :func:`decode_chunk_into`).
+    ``FLAG_CRC_ALL`` is refused here and left to :func:`decode_chunk_into`).
     """
 
     kind: int
@@ -260,21 +260,21 @@ def read_chunk_layout(frame: memoryview, native_nbytes: int) -> ChunkLayout:
             nibble plane whose escape count exceeds its values.
     """
     kind, itemsize, flags, size, crc = _chunk_header(frame, native_nbytes)
-    body = (FRAME_HEADER.size + _CHUNK_HEADER.size, frame.nbytes)
+    body = (FRAME_HEADER.size + CHUNK_HEADER.size, frame.nbytes)
     if kind == KIND_RAW and body[1] - body[0] == size:
         return ChunkLayout(kind, 1, 0, False, crc, body, [], body, body)
     if kind == KIND_ZSTD:
         return ChunkLayout(kind, 1, 0, False, crc, body, [], (body[1], body[1]), None)
-    if kind != KIND_PLANES or itemsize not in UINT_BY_ITEMSIZE or not flags & _FLAG_CRC_ALL:
+    if kind != KIND_PLANES or itemsize not in UINT_BY_ITEMSIZE or not flags & FLAG_CRC_ALL:
         raise CorruptCheckpointError(f"bad chunk header (kind {kind}, itemsize {itemsize}, flags {flags}, "
                                      f"{body[1] - body[0]} bytes)")
     count = size // itemsize
-    pos = body[0] + _PLANE.size * itemsize
+    pos = body[0] + PLANE.size * itemsize
     if pos > frame.nbytes:
         raise CorruptCheckpointError(f"planes chunk of {frame.nbytes} bytes is too short for its plane table")
     planes = []
     for i in range(itemsize):
-        mode, stored = _PLANE.unpack_from(frame, body[0] + _PLANE.size * i)
+        mode, stored = PLANE.unpack_from(frame, body[0] + PLANE.size * i)
         if pos + stored > frame.nbytes or mode not in (MODE_RAW, MODE_ZSTD, MODE_NIBBLES, MODE_HUFFMAN) or (
                 mode == MODE_RAW and stored != count) or (mode == MODE_NIBBLES and stored < NIBBLES.size):
             raise CorruptCheckpointError(f"bad plane {i} (mode {mode}, {stored} bytes stored, "
@@ -286,8 +286,8 @@ def read_chunk_layout(frame: memoryview, native_nbytes: int) -> ChunkLayout:
         pos += stored
     if frame.nbytes - pos != size - count * itemsize:
         raise CorruptCheckpointError(f"planes chunk has {frame.nbytes - pos} tail bytes, expected {size % itemsize}")
-    crc_range = (body[0] + _PLANE.size * itemsize, frame.nbytes)
-    return ChunkLayout(kind, itemsize, count, bool(flags & _FLAG_ROTATED), crc, body, planes, (pos, frame.nbytes),
+    crc_range = (body[0] + PLANE.size * itemsize, frame.nbytes)
+    return ChunkLayout(kind, itemsize, count, bool(flags & FLAG_ROTATED), crc, body, planes, (pos, frame.nbytes),
                        crc_range)
 
 

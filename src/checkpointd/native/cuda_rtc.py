@@ -1,6 +1,6 @@
 """CUDA C kernels compiled at run time (NVRTC), cached on disk per machine, launched through the driver.
 
-Why not Triton: a restore that verifies on the GPU needs one small kernel (:mod:`checkpointd.restore.device_crc`),
+Why not Triton: a restore that verifies on the GPU needs one small kernel (:mod:`checkpointd.codecs.device_crc`),
 and Triton's first use in a process costs 0.54-0.56 s with its disk cache warm and 1.19 s cold, plus
 0.15-0.26 s to import (H200): more than the kernel saves a resumed job's restore, the only one in its
 process. NVRTC ships with every CUDA build of torch (``libnvrtc``, which ``torch.cuda`` itself uses for

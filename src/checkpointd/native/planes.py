@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 2
+ABI = 3
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -38,6 +38,8 @@ def declare(lib: Any) -> None:
     lib.cpd_huffman_encode.restype = i64
     lib.cpd_huffman_encode.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p,
                                        ctypes.c_void_p, i64]
+    lib.cpd_code_lengths.restype = None
+    lib.cpd_code_lengths.argtypes = [ctypes.c_void_p, i32, ctypes.c_void_p]
     lib.cpd_huffman_blocks.restype = i64
     lib.cpd_huffman_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p]
 
@@ -95,6 +97,16 @@ def histogram(lib: Any, plane: np.ndarray) -> np.ndarray:
     counts = np.zeros(256, dtype=np.int64)
     lib.cpd_histogram(address(plane), plane.size, counts.ctypes.data)
     return counts
+
+
+def code_lengths(lib: Any, counts: np.ndarray, max_bits: int) -> np.ndarray:
+    """``huffman.code_lengths`` of 256 byte counts, in C (uint8, 256)."""
+    c = np.ascontiguousarray(counts, dtype=np.int64)
+    if c.shape != (256,):
+        raise ValueError(f"code lengths take 256 counts, got shape {c.shape}")
+    lengths = np.empty(256, dtype=np.uint8)
+    lib.cpd_code_lengths(c.ctypes.data, max_bits, lengths.ctypes.data)
+    return lengths
 
 
 def huffman_encode(lib: Any, plane: np.ndarray, codes: np.ndarray, lengths: np.ndarray, block: int,

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CPD_ABI 2
+#define CPD_ABI 3
 #define BLOCK 4096 /* elements per block: a block's unpacked planes stay in L1/L2 */
 #define SUB 256    /* escapes are looked for in sub-blocks that contain one (rare) */
 #define MAX_ITEMSIZE 8
@@ -168,6 +168,73 @@ void cpd_histogram(const uint8_t *p, int64_t n, int64_t *counts) {
     }
     for (; i < n; i++) c[0][p[i]]++;
     for (int v = 0; v < 256; v++) counts[v] += c[0][v] + c[1][v] + c[2][v] + c[3][v];
+}
+
+/* Depths of the leaves of a Huffman tree over n weights (1 <= n <= 256) into depth[0..n): the tree that
+ * merges the two lightest nodes first, ties going to the node made first (leaves by index, then merged
+ * nodes in the order they were made), as codecs/huffman.py's heap of (weight, index) does. Two queues
+ * give that order: merged weights never decrease, and leaves come before merged nodes of equal weight. */
+static void tree_depths(const int64_t *weights, int32_t n, int64_t *depth) {
+    int32_t order[256], parent[511];
+    int64_t weight[511];
+    for (int32_t i = 0; i < n; i++) { /* leaves by (weight, index): insertion sort, stable */
+        int32_t j = i;
+        while (j > 0 && weights[order[j - 1]] > weights[i]) { order[j] = order[j - 1]; j--; }
+        order[j] = i;
+        weight[i] = weights[i];
+    }
+    int32_t leaf = 0, made = n, taken = n; /* merged nodes: [taken, made) wait in the second queue */
+    while ((n - leaf) + (made - taken) > 1) {
+        int32_t pick[2];
+        for (int k = 0; k < 2; k++) {
+            if (leaf < n && (taken == made || weight[order[leaf]] <= weight[taken])) pick[k] = order[leaf++];
+            else pick[k] = taken++;
+        }
+        weight[made] = weight[pick[0]] + weight[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = made;
+        made++;
+    }
+    int64_t d[511];
+    d[made - 1] = 0;
+    for (int32_t node = made - 2; node >= 0; node--) d[node] = d[parent[node]] + 1;
+    for (int32_t i = 0; i < n; i++) depth[i] = d[i];
+}
+
+/* The deepest leaf of the tree over weights[i] >> shift (at least 1), its depths in depth. */
+static int64_t shifted_depths(const int64_t *weights, int32_t n, int shift, int64_t *depth) {
+    int64_t w[256], deepest = 0;
+    for (int32_t i = 0; i < n; i++) w[i] = (weights[i] >> shift) > 1 ? weights[i] >> shift : 1;
+    tree_depths(w, n, depth);
+    for (int32_t i = 0; i < n; i++) deepest = depth[i] > deepest ? depth[i] : deepest;
+    return deepest;
+}
+
+/* codecs/huffman.py's code_lengths: Huffman code lengths of 256 byte counts (0 for absent bytes), at
+ * most max_bits, the counts halved (each present byte kept at least 1) the fewest times that fit, found
+ * by doubling then bisection. The same lengths as the Python code (tests compare them). */
+void cpd_code_lengths(const int64_t *counts, int32_t max_bits, uint8_t *lengths) {
+    int64_t weights[256], depth[256], fits[256];
+    int32_t symbol[256], n = 0;
+    memset(lengths, 0, 256);
+    for (int32_t v = 0; v < 256; v++)
+        if (counts[v] > 0) { symbol[n] = v; weights[n++] = counts[v]; }
+    if (n == 0) return;
+    if (n == 1) { lengths[symbol[0]] = 1; return; }
+    if (shifted_depths(weights, n, 0, fits) > max_bits) {
+        int low = 0, high = 1;
+        for (;; low = high, high *= 2)
+            if (shifted_depths(weights, n, high, fits) <= max_bits) break;
+        while (high - low > 1) {
+            int mid = (low + high) / 2;
+            if (shifted_depths(weights, n, mid, depth) <= max_bits) {
+                memcpy(fits, depth, sizeof(int64_t) * n);
+                high = mid;
+            } else {
+                low = mid;
+            }
+        }
+    }
+    for (int32_t i = 0; i < n; i++) lengths[symbol[i]] = (uint8_t)fits[i];
 }
 
 /* Encode n symbols with codes[v] (bit-reversed, so the first bit to read is bit 0) of lens[v] bits

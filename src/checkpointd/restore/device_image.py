@@ -6,7 +6,7 @@ the checksum of each file on the CPU (page population + CRC-32: ~70 ms for 4.83 
 host), then the copy into pinned chunks and their DMA into the live tensors (~90 ms). Here the copy
 comes first, into a private GPU buffer (the file's *image*, through the pinned bounce chunks of
 :mod:`checkpointd.restore.bounce`, whose copy threads fault the mapping's pages in as they read), and the
-checksum is computed on the image (:mod:`checkpointd.restore.device_crc`, 3.3 ms for 4.83 GB on an
+checksum is computed on the image (:mod:`checkpointd.codecs.device_crc`, 3.3 ms for 4.83 GB on an
 H200). The upload runs on native threads holding no GIL where :mod:`checkpointd.native.upload` loads
 (49 GB/s against 35 through the Python bounce; the files' parses run beside it). The image is
 registered only once the file's checksum matched; the apply then fills the live tensors from it,
@@ -52,7 +52,7 @@ from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_ind
 from checkpointd.codecs.planes_device import decode_on_device
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.streams import byte_view
-from checkpointd.restore import device_crc
+from checkpointd.codecs import device_crc
 from checkpointd.restore.bounce import bounced_h2d, upload_bytes
 
 logger = logging.getLogger("checkpointd")

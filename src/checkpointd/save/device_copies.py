@@ -95,6 +95,12 @@ class DeviceArena:
         return buffers
 
     @property
+    def spare_bytes(self) -> int:
+        """The budget left beside the buffers of the latest layout."""
+        held = sum(b.untyped_storage().nbytes() for b in self._held[1]) if self._held is not None else 0
+        return self.budget_bytes - held
+
+    @property
     def current(self) -> list[torch.Tensor] | None:
         """The buffers of the latest layout, or None before any."""
         return self._held[1] if self._held is not None else None
@@ -180,11 +186,20 @@ class PendingCopies:
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, n_buffers: int = 0,
                  save_point: Any = None, device: torch.device | None = None, stream: Any = None,
-                 nbytes: int = 0, clone: DeviceClone | None = None) -> None:
-        self.defer_planning = bool(pairs) and nbytes >= PLAN_DEFER_MIN_BYTES
+                 nbytes: int = 0, clone: DeviceClone | None = None,
+                 encoded: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        self.defer_planning = bool(pairs or encoded) and nbytes >= PLAN_DEFER_MIN_BYTES
         """Whether the committer waits for :attr:`training_waits` before planning (large snapshots)."""
         self.clone = clone
         """Device staging: the clone the copies read from (training waits for it, not for the copies)."""
+        self.encoded = list(encoded)
+        """Device staging with a device encoder: ``(clone buffer, staged host tensor)`` pairs that are not
+        copied here; the writer encodes them from the clone (:mod:`checkpointd.save.device_encode`)."""
+        self.device_reads_done = threading.Event()
+        """Set once nothing reads the clone any more for this snapshot (its encoding is done, or the save
+        ended): the next snapshot's clone overwrites it only then."""
+        if not self.encoded:
+            self.device_reads_done.set()
         self._pairs = list(pairs or [])
         self._n_buffers = n_buffers
         self._save_point = save_point
@@ -204,7 +219,7 @@ class PendingCopies:
         compute), holding no GIL, so the planning's Python runs in that wait instead of taking the GIL
         while the save step waits for the device clone, or the forward after it is launched. Set at
         once when there is nothing to copy."""
-        if not self._pairs:
+        if not self._pairs and not self.encoded:
             self.enqueued.set()
             self.training_waits.set()
 

@@ -54,6 +54,8 @@ class FileJob:
     """Host budget: the ``chunkstream.FileRecords`` that deliver the bytes of the plan's placeholder records."""
     image: Any = None
     """Positional writes: the file's ``ptlayout.ZipImage``, laid out ahead (see ``BackgroundWriter.plan_job``)."""
+    encoded: dict[int, Any] | None = None
+    """Device encoding: the job's records whose staged bytes hold their frames (``SaveJob.encoded``)."""
     recycled: bool = False
     """Set by the write: the file was written over one taken from the recycling bin (retired, or blank
     made ahead), not created. Why kept: whether a save found its files is what decides its write speed
@@ -81,6 +83,9 @@ class SaveJob:
     """The planned files, in the order of ``sources`` (filled by ``planning.plan_files`` / ``plan_stream``)."""
     stream: ChunkStream | None = None
     """Host budget: the ``ChunkStream`` that ``write_files`` runs while the files are written (set by ``plan_stream``)."""
+    encoded: dict[int, Any] = field(default_factory=dict)
+    """Device staging with a device encoder: host address of a staged buffer -> its frames
+    (``device_encode.Encoded``), set by ``device_encode.encode_staged``."""
     failure: BaseException | None = None
     """A save that failed before it reached the writer (a distributed rank's staging): the writer raises it
     in place of writing, still taking part in the commit protocol."""

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from checkpointd.codecs import encode_device
 from checkpointd.save.arena import StagingArena, TensorSpec, tensor_spec
 from checkpointd.save.chunkring import ChunkRing, RingKeeper
 from checkpointd.save.chunkstream import ChunkStream
@@ -77,6 +78,10 @@ class Snapshotter:
         self.hook_wait_secs = 0.0
         """Seconds the training thread's hooks blocked on the host (host budget: the stall it costs)."""
         self.device_arena = DeviceArena(device_budget_bytes) if device_budget_bytes is not None else None
+        self.device_encodes: Callable[[torch.Tensor], bool] | None = None
+        """Device staging: which cloned tensors the writer encodes on the device instead of copying them
+        to the host (:func:`checkpointd.save.device_encode.encodes_for`); None: all are copied. Only where
+        the device budget leaves room for the encoder beside the clone (``encode_device.WORK_BYTES``)."""
         """Device staging's reused GPU buffers (None without a device budget)."""
         self._last_device_copies: PendingCopies | ChunkStream | None = None
         self._arenas: list[StagingArena] = []
@@ -191,6 +196,8 @@ class Snapshotter:
         """Return a snapshot's arena to the pool (called once its files are written)."""
         if isinstance(staged.copies, ChunkStream):
             staged.copies.close()  # frees the ring for the next save; unblocks hooks if the save failed
+        else:
+            staged.copies.device_reads_done.set()  # (a save that failed before its encoding)
         if staged.arena is not None:
             with self._lock:
                 staged.arena.busy = False
@@ -276,8 +283,13 @@ class Snapshotter:
             save_point.record(torch.cuda.current_stream(device))
             clone = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
             pairs = list(zip(clone.buffers if clone is not None else sources, [staged[i] for i in device_idx]))
+            encoded = []
+            if clone is not None and self.device_encodes is not None and self.device_arena is not None and (
+                    self.device_arena.spare_bytes >= encode_device.WORK_BYTES):  # encoded on the device, not copied
+                encoded = [(src, dst) for src, dst in pairs if self.device_encodes(src)]
+                pairs = [(src, dst) for src, dst in pairs if not self.device_encodes(src)]
             copies = PendingCopies(pairs, 0 if clone is not None else n_buf, save_point, device,
-                                   self._side_stream(device), nbytes=arena.nbytes, clone=clone)
+                                   self._side_stream(device), nbytes=arena.nbytes, clone=clone, encoded=encoded)
             if clone is not None:
                 self._last_device_copies = copies
             self._inflight.append(copies)
@@ -340,6 +352,10 @@ class Snapshotter:
         if buffers is None:
             return None
         prev = self._last_device_copies
+        if isinstance(prev, PendingCopies) and not prev.device_reads_done.is_set():
+            t0 = time.perf_counter()  # the writer still encodes the previous save from these buffers
+            prev.device_reads_done.wait()
+            self.hook_wait_secs += time.perf_counter() - t0
         # The previous save's device-to-host copies still read these buffers. They run on the same
         # side stream, so the clone is ordered after them once they are all queued.
         if isinstance(prev, ChunkStream):  # host budget: the writer issues them as chunks free up

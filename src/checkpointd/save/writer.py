@@ -27,7 +27,7 @@ from checkpointd.codecs.compress import plane_itemsize
 from checkpointd.format.manifest import FileEntry
 from checkpointd.format.mdlus import write_mdlus
 from checkpointd.format.serialize import write_pt
-from checkpointd.save import planning
+from checkpointd.save import device_encode, planning
 from checkpointd.save.job import FileJob, SaveJob
 from checkpointd.storage.serial_worker import SerialWorker
 from checkpointd.storage.store import Store
@@ -132,12 +132,15 @@ class BackgroundWriter(SerialWorker):
     def prepare_files(self, job: SaveJob) -> None:
         """Wait for the snapshot's copies, clear the step directory (``clear_step_dir``), plan what is left."""
         planning.wait_for_copies(job)
+        device_encode.encode_staged(job, self.codec)
         if self.clear_step_dir is not None:
             self.clear_step_dir(job.step_dir)
         if job.streamed:
             planning.plan_stream(job)
         else:
             planning.plan_files(job)
+        for fjob in job.files:
+            fjob.encoded = job.encoded or None
 
     def write_files(self, job: SaveJob) -> BaseException | None:
         """Write every file of ``job`` in parallel; returns the first failure (None if all succeeded).
@@ -233,6 +236,8 @@ def write_one_file(store: Store, codec: Any, step_dir: str, fjob: FileJob, fast:
         entry = _write_encoded(store, rel, codec, fjob)
         if entry is not None:
             return entry
+    if fjob.encoded:  # frames encoded on the device: only the persist process writes them as they are
+        device_encode.restore_native(fjob.encoded, fjob.plan.storages)
     raw = store.open_write(rel, expected_bytes=fjob.plan.data_nbytes)  # compressed: smaller
     try:
         checked = ChecksumWriter(raw)
@@ -279,7 +284,7 @@ def _write_encoded(store: Store, rel: str, codec: Any, fjob: FileJob) -> FileEnt
     image = _take_image(store, rel, fjob)
     hints = {key: plane_itemsize(dtype) for key, dtype in _record_dtypes(image, fjob.dtypes or {}).items()}
     result = ptlayout.write_encoded_file(store.path(rel), image, codec.name, codec.level, codec.chunk_bytes, hints,
-                                         root=store.root, recycle_from=recyclebin.bin_for(store))
+                                         root=store.root, recycle_from=recyclebin.bin_for(store), encoded=fjob.encoded)
     if result is None:
         return None
     fjob.recycled = result.recycled

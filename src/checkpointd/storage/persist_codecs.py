@@ -26,7 +26,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def encode_file(codec: str, level: int, chunk_bytes: int, pieces: list, slabs: dict[int, Any],
                 pool: ThreadPoolExecutor, out: Any) -> int:
     """Encode the native file ``pieces`` (inline ``(0, bytes, hint)``, ranges of ``slabs`` ``(1, slab_id, start,
-    length, hint)``) with ``codec`` into ``out`` (a :class:`FileSink` or :class:`MappedSink`); the native size."""
+    length, hint)``, and records encoded into chunk frames already ``(2, slab_id, start, native length,
+    [(offset, frame bytes, native bytes), ...])``, whose frames take at most the native length) with
+    ``codec`` into ``out`` (a :class:`FileSink` or :class:`MappedSink`); the native size."""
     encode, preamble, footer_magic = _encoding(codec, level)
     encoder = _module("codecs.chunked").ChunkedEncoder(
         encode, out, chunk_bytes=chunk_bytes, executor=pool, max_inflight=2 * pool._max_workers,
@@ -39,6 +41,9 @@ def encode_file(codec: str, level: int, chunk_bytes: int, pieces: list, slabs: d
             if slab is None:
                 raise ValueError(f"slab {piece[1]} is not mapped")
             view, hint = slab.view[piece[2]:piece[2] + piece[3]], piece[4]
+        if piece[0] == 2:  # frames encoded on the device: written as they are
+            encoder.write_frames(view, hint)
+            continue
         encoder.dtype_hint = hint
         encoder.write(view)
     encoder.close()
@@ -52,10 +57,13 @@ def encoded_bound(pieces: list, chunk_bytes: int) -> int:
     A chunk is stored as it is when coding does not make it smaller, so each costs at most its native
     bytes and its headers (frame, chunk, a plane table of 8 planes, its seek-table entry: 96 bytes);
     a file has at most one chunk per ``chunk_bytes`` plus two per piece (the ends of a cut write, a
-    pending chunk flushed before it), the banner and the seek table's own header and footer."""
-    native = sum(len(piece[1]) if piece[0] == 0 else piece[3] for piece in pieces)
+    pending chunk flushed before it), the banner and the seek table's own header and footer. Frames
+    encoded already take their own size and their seek-table entry (reserving the native size for them
+    would allocate a fifth more memory on tmpfs than a planes file takes)."""
+    native = sum(len(piece[1]) if piece[0] == 0 else piece[3] for piece in pieces if piece[0] != 2)
+    framed = sum(frame[1] + 8 for piece in pieces if piece[0] == 2 for frame in piece[4])  # and its entry
     chunks = native // max(1, chunk_bytes) + 2 * len(pieces) + 2
-    return native + 128 * chunks + 4096
+    return native + framed + 128 * chunks + 4096
 
 
 class FileSink:

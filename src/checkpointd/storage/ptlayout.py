@@ -243,7 +243,8 @@ CRC_SLICE_BYTES = 32 << 20
 
 
 def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_bytes: int, hints: dict[int, int],
-                       *, root: str | None = None, recycle_from: str | None = None) -> WriteResult | None:
+                       *, root: str | None = None, recycle_from: str | None = None,
+                       encoded: dict[int, Any] | None = None) -> WriteResult | None:
     """Create ``path`` holding ``img`` encoded with ``codec``, written by the persist process; fsync'd.
 
     Why: encoding costs the process that runs it CPU time and, between its native calls, the GIL; in the
@@ -253,6 +254,8 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
     the whole native stream (:class:`checkpointd.codecs.chunked.ChunkedEncoder`) into the file.
     ``hints``: the element size of each float record's pieces, by ``id``. ``recycle_from``: as
     :func:`write_file`'s (a retired file of about the native size is written over, then cut to size).
+    ``encoded``: records whose staged bytes hold their chunk frames already (encoded on the device), by
+    the address of those bytes (``save.device_encode.Encoded``: frames and the native bytes' CRC-32).
 
     None, with nothing written, where no persist process takes it (none runs, or it failed: logged);
     the caller streams the file itself then. Other failures remove the partial file and raise.
@@ -262,8 +265,10 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
         return None
     data = img.data_pieces()
     where = {id(p): sharedmem.locate(p.data) if p.length >= LARGE_RECORD_BYTES else None for p in data}
-    slices = [(p, start, min(CRC_SLICE_BYTES, p.length - start)) for p in data if where[id(p)] is not None
-              for start in range(0, p.length, CRC_SLICE_BYTES)]
+    done = {id(p): e for p in data if where[id(p)] is not None and encoded
+            and (e := encoded.get(sharedmem.address(p.data))) is not None and e.native_nbytes == p.length}
+    slices = [(p, start, min(CRC_SLICE_BYTES, p.length - start)) for p in data
+              if where[id(p)] is not None and id(p) not in done for start in range(0, p.length, CRC_SLICE_BYTES)]
     try:
         crcs = process.submit_crc([(where[id(p)][0], where[id(p)][1] + a, n) for p, a, n in slices]).result()
     except persist_process.PersistProcessError as exc:
@@ -272,14 +277,19 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
     for (p, a, n), crc in zip(slices, crcs):
         p.crc = crc if a == 0 else crc32_combine(p.crc, crc, n)
     for p in data:
-        if where[id(p)] is None:
+        if id(p) in done:
+            p.crc = done[id(p)].crc
+        elif where[id(p)] is None:
             p.crc = crc32(p.data) if p.length else 0
     img.finalize()
     pieces: list[tuple] = []
     for p in img.pieces():
         found = where.get(id(p))
         hint = hints.get(id(p), 0)
-        pieces.append((1, found[0].id, found[1], p.length, hint) if found is not None else (0, bytes(p.data), hint))
+        if id(p) in done:
+            pieces.append((2, found[0].id, found[1], p.length, [list(f) for f in done[id(p)].frames]))
+        else:
+            pieces.append((1, found[0].id, found[1], p.length, hint) if found is not None else (0, bytes(p.data), hint))
     slabs = list({found[0].id: found[0] for found in where.values() if found is not None}.values())
 
     def encode(fd: int) -> WriteResult:

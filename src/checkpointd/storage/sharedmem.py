@@ -89,21 +89,27 @@ class SharedSlab:
             self.fd = None
 
 
+def address(view: Any) -> int:
+    """The address of the first byte of ``view`` (a buffer; 0 for an empty one)."""
+    mv = memoryview(view)
+    return int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+
+
 def locate(view: Any) -> tuple[SharedSlab, int] | None:
     """``(slab, offset)`` of the bytes ``view`` (a buffer) spans, when they lie in one live slab."""
     mv = memoryview(view)
     if mv.nbytes == 0 or not mv.c_contiguous:
         return None
-    address = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
+    start = address(mv)
     with _lock:
-        i = bisect.bisect(_starts, address) - 1
+        i = bisect.bisect(_starts, start) - 1
         if i < 0:
             return None
         slab = _slabs[i]
-    offset = address - slab.address
+    offset = start - slab.address
     if offset + mv.nbytes > slab.nbytes or slab.fd is None:
         return None
     return slab, offset
 
 
-__all__ = ["SharedSlab", "locate", "on_release", "supported"]
+__all__ = ["SharedSlab", "address", "locate", "on_release", "supported"]
