@@ -17,8 +17,9 @@ sizes, up to 4D x D) at about STATE_GB, as CPU tensors (pinned when CUDA is pres
   diagnosis, also the time until wait_for_snapshot() returns ("snapshot ms") and the throughput from
   then to wait() ("GB/s after snapshot": the persist alone, if the writer does not overlap the snapshot);
 - checkpointd_device / checkpointd_device_planes (``--state-on device``): the same with device staging;
-  with ``zstd-planes`` the float tensors are encoded on the GPU (checkpointd.save.device_encode), so the
-  pair shows what compression costs a save's time to commit there;
+  the ``_fast`` rows write every save as a preemption save is (``writemode.FAST_PERSIST``): with
+  ``zstd-planes`` the float tensors are then encoded on the GPU (checkpointd.save.device_encode), so
+  the pair shows what compression costs a preemption save's time to commit there;
 - checkpointd_recycle: the steady state of training (keep_last=1), each save written over the files
   that retention retired (checkpointd.storage.recycle).
 
@@ -56,10 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 ALL_METHODS = ["raw", "torch_save", "checkpointd", "checkpointd_recycle", "checkpointd_threads", "checkpointd_zstd",
-               "checkpointd_planes", "checkpointd_device", "checkpointd_device_planes"]
-DEVICE_METHODS = {"checkpointd_device", "checkpointd_device_planes"}
-"""Rows with device staging (``StagingOptions(device_budget_bytes=...)``; a state on the GPU): with
-``zstd-planes`` the floats are encoded on the GPU (``checkpointd.save.device_encode``)."""
+               "checkpointd_planes", "checkpointd_device", "checkpointd_device_planes", "checkpointd_device_fast",
+               "checkpointd_device_planes_fast"]
+"""Rows named ``..._device...`` stage on the device (``StagingOptions(device_budget_bytes=...)``; a state on
+the GPU); ``..._fast`` ones write every save as a preemption save is (``writemode.FAST_PERSIST``), which
+with ``zstd-planes`` encodes the floats on the GPU (``checkpointd.save.device_encode``)."""
 RECYCLING = "checkpointd_recycle"
 """The steady state of training (``keep_last=1``): each save writes over the files that retention retired
 (``checkpointd.storage.recycle``); compared with the raw rows that write over existing files (kind ``raw_overwrite``)."""
@@ -242,13 +244,15 @@ class CheckpointdRow(Row):
         if self.knobs:
             self.data["notes"].append(" ".join(f"{k}={v}" for k, v in self.knobs.items()))
         ckd = C.try_import_checkpointd()
-        self.compression = "zstd" if method.endswith("zstd") else "zstd-planes" if method.endswith("planes") else None
+        parts = method.split("_")
+        self.compression = "zstd" if "zstd" in parts else "zstd-planes" if "planes" in parts else None
+        self.fast = "fast" in parts
         self.staging: dict = {}
         if isinstance(ckd, str):
             self.data["error"] = ckd
         elif self.compression and not C.has_zstd():
             self.data["skipped"] = "zstandard is not installed"
-        elif method in DEVICE_METHODS:
+        elif "device" in parts:
             kw, why = C.device_staging_kwargs(None) if dev.cuda and args.state_on == "device" else (None, "")
             if kw is None:
                 self.data["skipped"] = why or "device staging needs the state on a CUDA device (--state-on device)"
@@ -285,6 +289,14 @@ class CheckpointdRow(Row):
 
     def _save(self) -> tuple[float, float, float]:
         """One save: (seconds until wait() returned, until the snapshot was taken, until maybe_save returned)."""
+        from checkpointd.storage import writemode  # noqa: PLC0415 - the fast rows' switch
+        was, writemode.FAST_PERSIST = writemode.FAST_PERSIST, self.fast
+        try:
+            return self._timed_save()
+        finally:
+            writemode.FAST_PERSIST = was
+
+    def _timed_save(self) -> tuple[float, float, float]:
         with C.env_set(self.knobs):
             self.step += 1
             C.collect()

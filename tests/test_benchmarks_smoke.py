@@ -94,10 +94,12 @@ def test_slow_step_profile_sets_slow_steps_against_the_rest() -> None:
 def test_bench_persist_and_restore_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "persist.json"
     proc = _run("bench_persist.py", "--cpu", "--tiny", "--repeat", "1", "--rounds", "2", "--raw-threads", "1,2", "--dirs",
-                str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd", "--settle-s", "0",
-                "--json", str(out))
+                str(tmp_path / "p"), "--methods", "raw,torch_save,checkpointd,checkpointd_device_planes_fast",
+                "--settle-s", "0", "--json", str(out))
     data = json.loads(out.read_text())
-    rows = [r for d in data["dirs"] for r in d.get("rows", [])]
+    rows = [r for d in data["dirs"] for r in d.get("rows", []) if not r.get("skipped")]
+    skipped = {r["method"]: r["skipped"] for d in data["dirs"] for r in d.get("rows", []) if r.get("skipped")}
+    assert skipped == {"checkpointd_device_planes_fast": "device staging needs the state on a CUDA device (--state-on device)"}
     methods = {r["method"] for r in rows}
     assert {"checkpointd", "torch_save (+fsync)", "raw model + optim files x 1 thr each"} <= methods, methods
     for r in rows:  # every row timed once in each of the two interleaved rounds

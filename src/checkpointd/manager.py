@@ -221,12 +221,12 @@ class CheckpointManager:
                              # one process writes full-mode files whatever `mode` says (it matters only under torch.distributed)
                              mode="full" if self._dist is None else self._mode,
                              world_size=1 if self._dist is None else self._dist.world_size,
-                             codec_name=self._codec.name, locations=locations, extra=extra)
+                             codec_name=self._codec.name, locations=locations, extra=extra,
+                             fast=preempted or writemode.fast_persist())  # the grace period waits for a preemption save
         except BaseException as exc:
             if self._dist is not None:  # the ranks agreed to save `step`: fail it on every rank now, naming this error
                 self._dist.abandon(step, exc)
             raise
-        job.fast = preempted or writemode.fast_persist()  # the grace period waits for a preemption save
         self._inflight.add(job, time.perf_counter() - t0)
         self._writer.submit(job)
         self._schedule.mark_saved()

@@ -248,8 +248,8 @@ def _download(batch: list[Chunk], layout: Layout, out: torch.Tensor) -> list[Any
     event = None
     if out.is_cuda:
         copies = stream_for(out.device, "copies")
-        copies.waitstream_for(torch.cuda.currentstream_for(out.device))
-        out.recordstream_for(copies)
+        copies.wait_stream(torch.cuda.current_stream(out.device))
+        out.record_stream(copies)
         with torch.cuda.stream(copies):
             for r, a, b, d in runs:
                 torch.from_numpy(r.dest[d : d + b - a]).copy_(out[a:b], non_blocking=True)

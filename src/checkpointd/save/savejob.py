@@ -189,17 +189,20 @@ def stage_save(
     codec_name: str,
     locations: dict[str, EntryLocation] | None,
     extra: dict[str, Any],
+    fast: bool = False,
 ) -> SaveJob:
     """Snapshot every tensor of ``files`` (training thread) and return the job that writes them.
 
-    Nothing is pickled here: the committer thread plans the files (``planning.py``).
+    Nothing is pickled here: the committer thread plans the files (``planning.py``). ``fast``: a save
+    written at full speed rather than gently beside training (``SaveJob.fast``); with device staging its
+    float tensors may be encoded on the GPU (``Snapshotter.snapshot``).
     """
     records: dict[int, SubclassRecord] = {}
     skeletons, tensors = collect_tensors([f.tree for f in files], records)
     if records:  # the manifest lists them: a restore refuses a class it does not accept before unpickling
         extra = {**extra, "subclasses": subclass_extra(files, skeletons, tensors)}
     order, n_buffers = buffers_first(entries, tensors)
-    staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers)
+    staged_in_order = snapshotter.snapshot([tensors[i] for i in order], n_buffer_tensors=n_buffers, encode_on_device=fast)
     staged: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for pos, i in enumerate(order):
         staged[i] = staged_in_order.staged[pos]
@@ -210,4 +213,4 @@ def stage_save(
     sources = [FileSource(rel_path=f.rel_path, format=f.format, skeleton=skeleton, json_members=f.json_members,
                           rank=f.rank) for f, skeleton in zip(files, skeletons)]
     return SaveJob(step=step, step_dir=layout.step_dir_name(step), manifest=manifest, sources=sources, slots=staged,
-                   order=order, staged=staged_in_order, snapshotter=snapshotter)
+                   order=order, staged=staged_in_order, snapshotter=snapshotter, fast=fast)

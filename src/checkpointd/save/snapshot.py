@@ -80,8 +80,9 @@ class Snapshotter:
         self.device_arena = DeviceArena(device_budget_bytes) if device_budget_bytes is not None else None
         self.device_encodes: Callable[[torch.Tensor], bool] | None = None
         """Device staging: which cloned tensors the writer encodes on the device instead of copying them
-        to the host (:func:`checkpointd.save.device_encode.encodes_for`); None: all are copied. Only where
-        the device budget leaves room for the encoder beside the clone (``encode_device.WORK_BYTES``)."""
+        to the host (:func:`checkpointd.save.device_encode.encodes_for`), in a save written at full speed
+        (a preemption save) where the device budget leaves room for the encoder beside the clone
+        (``encode_device.WORK_BYTES``); None: all are copied."""
         """Device staging's reused GPU buffers (None without a device budget)."""
         self._last_device_copies: PendingCopies | ChunkStream | None = None
         self._arenas: list[StagingArena] = []
@@ -254,10 +255,13 @@ class Snapshotter:
                 self.pinned_bytes += ring.nbytes
 
     # -- copying ---------------------------------------------------------------------------------
-    def snapshot(self, tensors: Sequence[torch.Tensor], n_buffer_tensors: int = 0) -> StagedTensors:
+    def snapshot(self, tensors: Sequence[torch.Tensor], n_buffer_tensors: int = 0,
+                 encode_on_device: bool = False) -> StagedTensors:
         """Copy ``tensors`` into an arena; the first ``n_buffer_tensors`` are module buffers (copied first).
 
         Returns at once on CUDA (copies queued on a side stream); synchronous otherwise.
+        ``encode_on_device``: a save written at full speed (a preemption save): with device staging, the
+        tensors :attr:`device_encodes` picks are encoded on the GPU by the writer instead of copied.
         """
         specs = tuple(tensor_spec(t) for t in tensors)
         on_cuda = [t.is_cuda for t in tensors]
@@ -284,8 +288,8 @@ class Snapshotter:
             clone = self._stage_on_device(sources, [specs[i] for i in device_idx], device, save_point, n_buf)
             pairs = list(zip(clone.buffers if clone is not None else sources, [staged[i] for i in device_idx]))
             encoded = []
-            if clone is not None and self.device_encodes is not None and self.device_arena is not None and (
-                    self.device_arena.spare_bytes >= encode_device.WORK_BYTES):  # encoded on the device, not copied
+            if encode_on_device and clone is not None and self.device_encodes is not None and (
+                    self.device_arena is not None and self.device_arena.spare_bytes >= encode_device.WORK_BYTES):
                 encoded = [(src, dst) for src, dst in pairs if self.device_encodes(src)]
                 pairs = [(src, dst) for src, dst in pairs if not self.device_encodes(src)]
             copies = PendingCopies(pairs, 0 if clone is not None else n_buf, save_point, device,
