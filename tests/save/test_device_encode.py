@@ -99,3 +99,18 @@ def test_the_persist_process_writes_device_frames_between_its_own_chunks(tmp_pat
         assert torch.equal(loaded[k].view(torch.uint8) if t.is_floating_point() else loaded[k],
                            t.view(torch.uint8) if t.is_floating_point() else t), k
     assert len(data) < 0.9 * len(native)
+
+
+@pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
+def test_frames_that_cannot_go_as_frames_are_not_written_as_native_bytes(tmp_path: Path) -> None:
+    tensors = _tensors()
+    _, staged, job = _staged(tensors)
+    codec = get_codec("zstd-planes", chunk_bytes=1 << 20)
+    device_encode.encode_staged(job, codec)
+    key = next(iter(job.encoded))
+    wrong = job.encoded[key]  # an entry whose size is not its record's: its bytes would go as native ones
+    job.encoded[key] = device_encode.Encoded(wrong.host[:-16], wrong.frames, wrong.crc)
+    image = ziplayout.pt_image(plan_pt(staged))
+    assert ptlayout.write_encoded_file(str(tmp_path / "f.pt.zst"), image, codec.name, codec.level, codec.chunk_bytes,
+                                       {}, encoded=job.encoded) is None
+    assert not (tmp_path / "f.pt.zst").exists()

@@ -257,8 +257,9 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
     ``encoded``: records whose staged bytes hold their chunk frames already (encoded on the device), by
     the address of those bytes (``save.device_encode.Encoded``: frames and the native bytes' CRC-32).
 
-    None, with nothing written, where no persist process takes it (none runs, or it failed: logged);
-    the caller streams the file itself then. Other failures remove the partial file and raise.
+    None, with nothing written, where no persist process takes it (none runs, or it failed: logged) or
+    a record of ``encoded`` cannot go as frames; the caller streams the file itself then. Other failures
+    remove the partial file and raise.
     """
     process = persist_process.client() if sharedmem.supported() else None
     if process is None:
@@ -267,6 +268,8 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
     where = {id(p): sharedmem.locate(p.data) if p.length >= LARGE_RECORD_BYTES else None for p in data}
     done = {id(p): e for p in data if where[id(p)] is not None and encoded
             and (e := encoded.get(sharedmem.address(p.data))) is not None and e.native_nbytes == p.length}
+    if encoded and sum(1 for p in data if p.length and sharedmem.address(p.data) in encoded) != len(done):
+        return None  # bytes that hold frames but would be encoded as native ones: the caller restores them first
     slices = [(p, start, min(CRC_SLICE_BYTES, p.length - start)) for p in data
               if where[id(p)] is not None and id(p) not in done for start in range(0, p.length, CRC_SLICE_BYTES)]
     try:
