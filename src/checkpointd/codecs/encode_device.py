@@ -135,7 +135,18 @@ def encode_records(records: Sequence[DeviceRecord], chunk_bytes: int, executor: 
     except BaseException:
         for r in records:
             r.frames = None
+        _settle(device, crcs)  # nothing may still write into a dest that the caller fills another way
         raise
+
+
+def _settle(device: torch.device, crcs: list[Any]) -> None:
+    """Wait for every copy and checksum this call queued (after a failure; their own failures ignored)."""
+    waits = [stream.synchronize for role in ("codes", "counts", "copies") if (stream := stream_for(device, role))]
+    for wait in waits + [future.result for future in crcs]:
+        try:
+            wait()
+        except Exception:  # noqa: BLE001 - the call fails anyway, with its first error
+            pass
 
 
 def _batches(records: Sequence[DeviceRecord], chunk_bytes: int) -> Iterator[list[Chunk]]:
