@@ -20,7 +20,7 @@ from checkpointd.format.serialize import plan_pt
 from checkpointd.save import device_encode
 from checkpointd.save.arena import StagingArena, tensor_spec
 from checkpointd.save.device_copies import PendingCopies
-from checkpointd.storage import ptlayout, sharedmem, ziplayout
+from checkpointd.storage import ptlayout, sharedmem, writemode, ziplayout
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -79,7 +79,10 @@ def test_an_encoder_failure_copies_the_tensors_as_they_are(monkeypatch: pytest.M
 
 
 @pytest.mark.skipif(not sharedmem.supported(), reason="the persist process needs Linux memfd_create")
-def test_the_persist_process_writes_device_frames_between_its_own_chunks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["pwrite", "mmap"])  # mmap: a mapping sized to the frames, not the native bytes
+def test_the_persist_process_writes_device_frames_between_its_own_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         mode: str) -> None:
+    monkeypatch.setattr(writemode, "WRITE_MODE", mode)
     tensors = _tensors()
     _, staged, job = _staged(tensors)
     codec = get_codec("zstd-planes", chunk_bytes=1 << 20)
