@@ -307,3 +307,46 @@ def test_an_image_still_decoding_is_neither_registered_nor_copied_back_before_it
     device_image.fill_host(sound)
     device_image.fill_host(sound)  # the verdict is taken once
     assert torch.equal(host, data) and verdicts == [1, 1, 2]
+
+
+class _FakeKernel:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def launch(self, grid, block, args, shared_bytes=0) -> None:
+        self.fn(*args)
+
+
+def _lanes_kernel(body, out, slice_tab, n) -> None:
+    t = slice_tab.numpy().view(np.uint32).reshape(4, 256)
+    words = body.numpy()[: n.value * device_crc.LANE_BYTES].view(np.uint32).reshape(n.value, -1)
+    c = np.zeros(n.value, dtype=np.uint32)
+    for k in range(words.shape[1]):
+        x = c ^ words[:, k]
+        c = t[3][x & 255] ^ t[2][(x >> 8) & 255] ^ t[1][(x >> 16) & 255] ^ t[0][x >> 24]
+    out.numpy().view(np.uint32)[:] = c
+
+
+def _combine_kernel(c, nxt, tab, n_out) -> None:
+    c, tab = c.numpy().view(np.uint32), tab.numpy().view(np.uint32)
+    a, b = c[0 : 2 * n_out.value : 2], c[1 : 2 * n_out.value : 2]
+    nxt.numpy().view(np.uint32)[:] = tab[a & 255] ^ tab[256 + ((a >> 8) & 255)] ^ tab[512 + ((a >> 16) & 255)] ^ tab[768 + (a >> 24)] ^ b
+
+
+def test_rows_of_many_buffers_combine_each_to_its_own_crc(monkeypatch) -> None:
+    """How ``_raw_cuda_rows`` lays many buffers out (rows per power of two, zero lanes first) and combines
+    them, with the kernels run in numpy (the kernels themselves: tests/gpu)."""
+    monkeypatch.setattr(device_crc, "_cuda_kernels",
+                        lambda device: {"crc32_lanes": _FakeKernel(_lanes_kernel),
+                                        "crc32_combine_level": _FakeKernel(_combine_kernel)})
+    rng = np.random.default_rng(9)
+    datas = [rng.integers(0, 256, lanes * device_crc.LANE_BYTES + extra, dtype=np.uint8)
+             for lanes, extra in ((1, 0), (2, 5), (3, 0), (5, 1), (8, 0), (13, 4095), (3, 7), (64, 0))]
+    bodies = [(torch.from_numpy(d), d.size // device_crc.LANE_BYTES) for d in datas]
+    raws = device_crc._raw_cuda_rows(bodies)
+    for d, (_, lanes), raw in zip(datas, bodies, raws):
+        body = lanes * device_crc.LANE_BYTES
+        crc = device_crc._finish(int(raw.view(torch.int32).item()) & 0xFFFFFFFF, body, d[body:].tobytes())
+        assert crc == zlib.crc32(d.tobytes()), (lanes, d.size)
+    one = datas[5]
+    assert device_crc.crc32_of(torch.from_numpy(one), use_kernel=True) == zlib.crc32(one.tobytes())  # _raw_cuda

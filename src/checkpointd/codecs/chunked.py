@@ -123,11 +123,16 @@ class ChunkedEncoder:
         self._entries.append((frame_nbytes, native_nbytes))
 
 
+def chunk_bounds(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Where a write of ``nbytes`` is cut: near-equal pieces of at most ~``chunk_bytes``, at multiples of 16
+    (any element size)."""
+    count = -(-nbytes // chunk_bytes)
+    step = -(-nbytes // (count * 16)) * 16 if count > 1 else nbytes
+    return [(a, min(nbytes, a + step)) for a in range(0, nbytes, step)]
+
+
 def _split(view: memoryview, chunk_bytes: int) -> Iterable[memoryview]:
-    """Near-equal pieces of at most ~``chunk_bytes``, cut at multiples of 16 (any element size)."""
-    count = -(-view.nbytes // chunk_bytes)
-    step = -(-view.nbytes // (count * 16)) * 16 if count > 1 else view.nbytes
-    return (view[start : start + step] for start in range(0, view.nbytes, step))
+    return (view[a:b] for a, b in chunk_bounds(view.nbytes, chunk_bytes))
 
 
 def write_all(out: WriteSink, view: memoryview) -> None:
@@ -139,4 +144,4 @@ def write_all(out: WriteSink, view: memoryview) -> None:
         view = view[written:]
 
 
-__all__ = ["DIRECT_MIN_BYTES", "ChunkedEncoder", "WriteSink", "write_all"]
+__all__ = ["DIRECT_MIN_BYTES", "ChunkedEncoder", "WriteSink", "chunk_bounds", "write_all"]

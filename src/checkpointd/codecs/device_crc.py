@@ -195,21 +195,45 @@ def _tables_int32_built(levels: int, device: torch.device) -> tuple[torch.Tensor
 
 def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
     """The zero-started CRC of ``body`` (``lanes`` whole lanes, 16-byte aligned) by the CUDA kernels."""
-    k = _cuda_kernels(body.device)
-    levels = (lanes - 1).bit_length()
-    with _tables_lock:
-        slice_tab, combine_tab = _tables_int32(levels, body.device)
-    pad = (1 << levels) - lanes
-    c = torch.empty(1 << levels, dtype=torch.int32, device=body.device)
-    if pad:
-        c[:pad].zero_()  # leading zero lanes leave a zero-started CRC unchanged
-    k["crc32_lanes"].launch((lanes + THREADS - 1) // THREADS, THREADS, [body, c[pad:], slice_tab, ctypes.c_longlong(lanes)])
-    for r in range(levels):
-        n_out = c.numel() // 2
-        nxt = torch.empty(n_out, dtype=torch.int32, device=body.device)
-        k["crc32_combine_level"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
-        c = nxt
-    return int(c.item()) & 0xFFFFFFFF
+    return int(_raw_cuda_rows([(body, lanes)])[0].item()) & 0xFFFFFFFF
+
+
+def _raw_cuda_rows(bodies: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The zero-started CRCs (int32 on the device, not waited for) of ``bodies``: ``(buffer, lanes)``
+    pairs of at least one whole lane each, 16-byte aligned. One lane launch per buffer into rows of one
+    array per power of two (each row that many lanes, zero lanes first: they leave a zero-started CRC
+    unchanged); then each combining level is one launch for every row of the same length."""
+    device = bodies[0][0].device
+    k = _cuda_kernels(device)
+    groups: dict[int, list[int]] = {}
+    for i, (_, lanes) in enumerate(bodies):
+        groups.setdefault((lanes - 1).bit_length(), []).append(i)
+    raws: list[torch.Tensor] = [torch.empty(0)] * len(bodies)
+    for levels, members in groups.items():
+        with _tables_lock:
+            slice_tab, combine_tab = _tables_int32(levels, device)
+        width = 1 << levels
+        c = torch.zeros(len(members) * width, dtype=torch.int32, device=device)
+        for row, i in enumerate(members):
+            body, n = bodies[i]
+            k["crc32_lanes"].launch((n + THREADS - 1) // THREADS, THREADS,
+                                    [body, c[(row + 1) * width - n : (row + 1) * width], slice_tab, ctypes.c_longlong(n)])
+        for r in range(levels):
+            n_out = c.numel() // 2
+            nxt = torch.empty(n_out, dtype=torch.int32, device=device)
+            k["crc32_combine_level"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
+            c = nxt
+        for row, i in enumerate(members):
+            raws[i] = c[row : row + 1]
+    return raws
+
+
+def _finish(raw: int, body: int, tail: Any) -> int:
+    """zlib's CRC-32 from the zero-started CRC of the first ``body`` bytes and the bytes after them."""
+    crc = raw ^ crc32_combine_py(0xFFFFFFFF, 0, body) ^ 0xFFFFFFFF if body else 0  # zlib's start and end conditioning
+    if len(tail):
+        crc = crc32_combine(crc, crc32(tail), len(tail))
+    return crc & 0xFFFFFFFF
 
 
 def _raw_torch(words: torch.Tensor, lanes: int) -> int:
@@ -241,7 +265,7 @@ def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None =
     n = buf.numel()
     lanes = n // LANE_BYTES
     body = lanes * LANE_BYTES
-    crc = 0
+    raw = 0
     if lanes:
         if buf.data_ptr() % 4:
             raise ValueError("crc32_of needs a 4-byte aligned buffer")
@@ -251,21 +275,17 @@ def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None =
             raw = _raw_cuda(buf[:body], lanes)
         else:
             raw = _raw_torch(buf[:body].view(torch.int32).view(lanes, LANE_BYTES // 4), lanes)
-        crc = raw ^ crc32_combine_py(0xFFFFFFFF, 0, body) ^ 0xFFFFFFFF  # zlib's start and end conditioning
     tail = host_tail if host_tail is not None else buf[body:].cpu().numpy().tobytes()
     if len(tail) != n - body:
         raise ValueError(f"host_tail has {len(tail)} bytes, expected {n - body}")
-    if len(tail):
-        crc = crc32_combine(crc, crc32(tail), len(tail))
-    return crc & 0xFFFFFFFF
+    return _finish(raw, body, tail)
 
 
 def crc32_many(bufs: list[torch.Tensor]) -> list[int]:
     """:func:`crc32_of` of each of ``bufs`` (1-D uint8 on one device), with launches and waits shared.
 
-    On a CUDA device, for 16-byte aligned buffers: one lane launch per buffer into rows of one array
-    (each row a power of two of lanes, zero lanes first), then each combining level is one launch for
-    every row of that length, and one copy brings the CRCs and the bytes past the last lanes back.
+    On a CUDA device, for 16-byte aligned buffers: :func:`_raw_cuda_rows`, then one copy brings the CRCs
+    and the bytes past the last lanes back.
     A save that encodes its tensors on the GPU needs the CRC of each of them (a few hundred): one by
     one that is ~20 launches and a wait each.
     """
@@ -275,43 +295,17 @@ def crc32_many(bufs: list[torch.Tensor]) -> list[int]:
     if device.type != "cuda" or any(b.data_ptr() % 16 or b.dim() != 1 or b.dtype != torch.uint8 or b.device != device
                                     for b in bufs) or not kernel_available(device):
         return [crc32_of(b) for b in bufs]
-    k = _cuda_kernels(device)
     lanes = [b.numel() // LANE_BYTES for b in bufs]
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lanes):
-        if n:
-            groups.setdefault((n - 1).bit_length(), []).append(i)
-    raws: dict[int, torch.Tensor] = {}
-    for levels, members in groups.items():
-        with _tables_lock:
-            slice_tab, combine_tab = _tables_int32(levels, device)
-        width = 1 << levels
-        c = torch.zeros(len(members) * width, dtype=torch.int32, device=device)
-        for row, i in enumerate(members):
-            n = lanes[i]
-            k["crc32_lanes"].launch((n + THREADS - 1) // THREADS, THREADS,
-                                    [bufs[i], c[(row + 1) * width - n : (row + 1) * width], slice_tab, ctypes.c_longlong(n)])
-        for r in range(levels):
-            n_out = c.numel() // 2
-            nxt = torch.empty(n_out, dtype=torch.int32, device=device)
-            k["crc32_combine_level"].launch((n_out + 255) // 256, 256, [c, nxt, combine_tab[r], ctypes.c_longlong(n_out)])
-            c = nxt
-        for row, i in enumerate(members):
-            raws[i] = c[row : row + 1]
-    order = sorted(raws)
+    whole = [i for i, n in enumerate(lanes) if n]
+    raws = _raw_cuda_rows([(bufs[i], lanes[i]) for i in whole]) if whole else []
     tails = [b[n * LANE_BYTES :] for b, n in zip(bufs, lanes)]
-    flat = torch.cat([raws[i].view(torch.uint8) for i in order] + tails).cpu().numpy()
-    words = flat[: 4 * len(order)].view("<u4")
-    raw = {i: int(words[j]) for j, i in enumerate(order)}
-    out, pos = [], 4 * len(order)
+    flat = torch.cat([r.view(torch.uint8) for r in raws] + tails).cpu().numpy()  # one wait for all
+    raw = dict(zip(whole, (int(w) for w in flat[: 4 * len(whole)].view("<u4"))))
+    out, pos = [], 4 * len(whole)
     for i, (b, n) in enumerate(zip(bufs, lanes)):
-        body = n * LANE_BYTES
-        crc = raw[i] ^ crc32_combine_py(0xFFFFFFFF, 0, body) ^ 0xFFFFFFFF if n else 0
-        tail = flat[pos : pos + b.numel() - body]
-        pos += tail.size
-        if tail.size:
-            crc = crc32_combine(crc, crc32(tail), tail.size)
-        out.append(crc & 0xFFFFFFFF)
+        size = b.numel() - n * LANE_BYTES
+        out.append(_finish(raw.get(i, 0), n * LANE_BYTES, flat[pos : pos + size]))
+        pos += size
     return out
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from checkpointd.codecs import huffman
+from checkpointd.codecs.chunked import chunk_bounds
 from checkpointd.codecs.container import FRAME_HEADER
 from checkpointd.codecs.crc import crc32
 from checkpointd.codecs.encode_kernels import KERNEL_SOURCE, NAMES, Chunk, Layout, histograms, stream_for, write_planes
@@ -83,14 +84,6 @@ def available(device: torch.device) -> bool:
     the host kernels run, for tests)."""
     return device.type == "cpu" or cuda_rtc.kernels_available(KERNEL_SOURCE, NAMES, device,
                                                               "planes encoder (files are encoded on the host)")
-
-
-def chunk_bounds(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Where :class:`checkpointd.codecs.chunked.ChunkedEncoder` cuts a write of ``nbytes``: near-equal
-    pieces of at most ~``chunk_bytes``, at multiples of 16."""
-    count = -(-nbytes // chunk_bytes)
-    step = -(-nbytes // (count * 16)) * 16 if count > 1 else nbytes
-    return [(a, min(nbytes, a + step)) for a in range(0, nbytes, step)]
 
 
 def encode_records(records: Sequence[DeviceRecord], chunk_bytes: int, executor: Any = None, after: Any = None) -> None:
@@ -207,7 +200,7 @@ def _lay_out(batch: list[Chunk], counts: np.ndarray) -> Layout:
     huff_size = _HUFFMAN_HEAD + 4 * blocks[:, None] + (bits + 7) // 8
     huff = coded[of] & (huff_size < count[:, None]) & (np.arange(8) < itemsize[:, None])
     stored = np.where(huff, huff_size, count[:, None]) * (np.arange(8) < itemsize[:, None])
-    shared: dict[tuple[int, int], np.ndarray] = {}
+    code_of: dict[tuple[int, int], int] = {}  # (tensor, plane) -> its code in layout.codes
     for i, c in enumerate(batch):
         r, s = c.record, c.itemsize
         tail = c.nbytes - c.count * s
@@ -228,8 +221,11 @@ def _lay_out(batch: list[Chunk], counts: np.ndarray) -> Layout:
             if modes[j] == MODE_RAW:
                 layout.raw[(i, j)] = pos
             else:
-                code = shared.setdefault((int(of[i]), j), lengths[of[i], j])  # one object a code: see _block_rows
-                packed = (code[0::2] | (code[1::2] << 4)).astype(np.uint8)
+                if (int(of[i]), j) not in code_of:
+                    code_of[(int(of[i]), j)] = len(layout.codes)
+                    layout.codes.append(lengths[of[i], j])
+                code = code_of[(int(of[i]), j)]
+                packed = (layout.codes[code][0::2] | (layout.codes[code][1::2] << 4)).astype(np.uint8)
                 layout.heads.append((pos, huffman.HEADER.pack(huffman.BLOCK, int(blocks[i])) + packed.tobytes()))
                 layout.huff.append((i, j, pos + _HUFFMAN_HEAD + 4 * int(blocks[i]), code, int(bits[i, j])))
             pos += int(stored[i, j])

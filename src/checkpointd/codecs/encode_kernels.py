@@ -157,8 +157,10 @@ class Layout:
     frames: list[tuple[int, int]] = field(default_factory=list)  # (start, nbytes) per chunk; (-1, 0): skipped
     heads: list[tuple[int, bytes]] = field(default_factory=list)
     raw: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, plane) -> offset of a raw plane
-    huff: list[tuple[int, int, int, np.ndarray, int]] = field(default_factory=list)
-    """Per Huffman plane: chunk, plane, stream offset, code lengths, stream bits."""
+    huff: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """Per Huffman plane: chunk, plane, stream offset, its code (in :attr:`codes`), stream bits."""
+    codes: list[np.ndarray] = field(default_factory=list)
+    """The code lengths of each code the batch's Huffman planes use (a tensor's chunks share theirs)."""
 
 
 def histograms(batch: list[Chunk], device: torch.device) -> Callable[[], np.ndarray]:
@@ -231,7 +233,7 @@ def write_planes(batch: list[Chunk], layout: Layout, out: torch.Tensor, bad: tor
         k["raw_planes"].launch(tiles.shape[0], 256, [cuda_rtc.table_to(device, torch.from_numpy(tiles)), out])
     if not layout.huff:
         return
-    blocks, ends_at, first, stop, lengths, codes, _ = _block_rows(batch, layout)
+    blocks, ends_at, first, stop, lengths, codes = _block_rows(batch, layout)
     n = blocks.shape[0]
     rows = cuda_rtc.table_to(device, torch.from_numpy(blocks))
     lengths_dev = cuda_rtc.table_to(device, torch.from_numpy(lengths))
@@ -246,11 +248,9 @@ def write_planes(batch: list[Chunk], layout: Layout, out: torch.Tensor, bad: tor
 
 def _block_rows(batch: list[Chunk], layout: Layout) -> tuple[np.ndarray, ...]:
     """Per Huffman block: its kernel row, where its end goes, and its plane's first and last stream bit
-    (repeated per block); the code lengths and codes of each distinct code, and each plane's code."""
-    rows_of: dict[int, int] = {}
-    per_plane = np.array([(batch[i].record.data.data_ptr() + batch[i].start, batch[i].count,
-                           batch[i].itemsize | j << 8, rows_of.setdefault(id(lengths), len(rows_of)), at, bits)
-                          for i, j, at, lengths, bits in layout.huff], dtype=np.int64).reshape(-1, 6)
+    (repeated per block); the code lengths and codes of each of the layout's codes."""
+    per_plane = np.array([(batch[i].record.data.data_ptr() + batch[i].start, batch[i].count, batch[i].itemsize | j << 8,
+                           code, at, bits) for i, j, at, code, bits in layout.huff], dtype=np.int64).reshape(-1, 6)
     base, count, meta, code, at, bits = per_plane.T
     itemsize = meta & 255
     blocks = -(-count // huffman.BLOCK)
@@ -260,11 +260,9 @@ def _block_rows(batch: list[Chunk], layout: Layout) -> tuple[np.ndarray, ...]:
                      np.minimum(huffman.BLOCK, count[plane] - k * huffman.BLOCK), meta[plane], code[plane]], axis=1)
     ends_at = at[plane] - 4 * blocks[plane] + 4 * k
     first, stop = 8 * at[plane], 8 * at[plane] + bits[plane]
-    distinct = {id(h[3]): h[3] for h in layout.huff}
-    lengths = np.stack([distinct[key] for key in rows_of]).astype(np.uint8)
-    codes = np.stack([huffman.canonical_codes(distinct[key]) for key in rows_of])
-    return (np.ascontiguousarray(rows), ends_at, first, stop, np.ascontiguousarray(lengths),
-            np.ascontiguousarray(codes), code)
+    lengths = np.stack(layout.codes).astype(np.uint8)
+    codes = np.stack([huffman.canonical_codes(c) for c in layout.codes])
+    return np.ascontiguousarray(rows), ends_at, first, stop, np.ascontiguousarray(lengths), np.ascontiguousarray(codes)
 
 
 def block_bounds(bits: torch.Tensor, plane_rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -301,20 +299,20 @@ def _write_planes_host(batch: list[Chunk], layout: Layout, out: torch.Tensor) ->
             dst[at : at + plane.size] = plane
     if not layout.huff:
         return False
-    blocks, ends_at, first, stop, _lengths, codes, code = _block_rows(batch, layout)
+    blocks, ends_at, first, stop, _lengths, codes = _block_rows(batch, layout)
     symbols = blocks[:, 1]
     lens = []
-    for i, j, _at, lengths, _bits in layout.huff:
+    for i, j, _at, code, _bits in layout.huff:
         plane = split.setdefault(i, _host_planes(batch[i]))[j]
-        lens.append(lengths[plane].astype(np.int64))
+        lens.append(layout.codes[code][plane].astype(np.int64))
     per_symbol = np.concatenate(lens)
     bits = np.add.reduceat(per_symbol, np.concatenate([[0], np.cumsum(symbols)[:-1]])) if symbols.size else symbols
     block_bounds(torch.from_numpy(bits), torch.from_numpy(np.stack([first, stop, ends_at], axis=1)), out)
     changed = False
-    for p, (i, j, at, lengths, nbits) in enumerate(layout.huff):
+    for i, j, at, code, nbits in layout.huff:
         plane = split[i][j]
         ends = np.empty(-(-plane.size // huffman.BLOCK), np.uint32)
-        stream = huffman.encode_stream(plane, codes[code[p]], lengths, ends)
+        stream = huffman.encode_stream(plane, codes[code], layout.codes[code], ends)
         changed |= int(ends[-1]) != nbits
         dst[at : at + min(stream.size, (nbits + 7) // 8)] = stream[: (nbits + 7) // 8]
     return changed

@@ -78,8 +78,9 @@ def encodes_for(codec: Any, store: Any, staging: Any, single_process: bool) -> C
         return None
 
     def encodes(t: torch.Tensor) -> bool:
-        return (t.is_cuda and plane_itemsize(t.dtype) > 0 and t.untyped_storage().nbytes() >= MIN_BYTES
-                and t.untyped_storage().nbytes() % plane_itemsize(t.dtype) == 0 and encode_device.available(t.device))
+        itemsize, nbytes = plane_itemsize(t.dtype), t.untyped_storage().nbytes()
+        return (t.is_cuda and itemsize > 0 and nbytes >= MIN_BYTES and nbytes % itemsize == 0
+                and encode_device.available(t.device))
 
     return encodes
 
@@ -121,7 +122,7 @@ def encode_staged(job: Any, codec: Any) -> None:
                 if r.frames is None:
                     _bytes(dst).copy_(r.data)
             for (dst, r), crc in zip(kept, device_crc.crc32_many([r.data for _, r in kept])):
-                done[_bytes(dst).data_ptr()] = Encoded(r.dest, r.frames or [], crc)
+                done[_bytes(dst).data_ptr()] = Encoded(r.dest, r.frames, crc)
     finally:
         copies.device_reads_done.set()
     job.encoded = done

@@ -290,8 +290,9 @@ class Snapshotter:
             encoded = []
             if encode_on_device and clone is not None and self.device_encodes is not None and (
                     self.device_arena is not None and self.device_arena.spare_bytes >= encode_device.WORK_BYTES):
-                encoded = [(src, dst) for src, dst in pairs if self.device_encodes(src)]
-                pairs = [(src, dst) for src, dst in pairs if not self.device_encodes(src)]
+                picked = [self.device_encodes(src) for src, _ in pairs]
+                encoded = [pair for pair, pick in zip(pairs, picked) if pick]
+                pairs = [pair for pair, pick in zip(pairs, picked) if not pick]
             copies = PendingCopies(pairs, 0 if clone is not None else n_buf, save_point, device,
                                    self._side_stream(device), nbytes=arena.nbytes, clone=clone, encoded=encoded)
             if clone is not None:

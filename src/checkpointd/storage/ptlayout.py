@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from checkpointd.codecs.crc import crc32, crc32_combine
+from checkpointd.native.planes import address
 from checkpointd.storage import fsinfo
 from checkpointd.storage import localpaths
 from checkpointd.storage import persist_process
@@ -267,8 +268,8 @@ def write_encoded_file(path: str, img: ZipImage, codec: str, level: int, chunk_b
     data = img.data_pieces()
     where = {id(p): sharedmem.locate(p.data) if p.length >= LARGE_RECORD_BYTES else None for p in data}
     done = {id(p): e for p in data if where[id(p)] is not None and encoded
-            and (e := encoded.get(sharedmem.address(p.data))) is not None and e.native_nbytes == p.length}
-    if encoded and sum(1 for p in data if p.length and sharedmem.address(p.data) in encoded) != len(done):
+            and (e := encoded.get(address(p.data))) is not None and e.native_nbytes == p.length}
+    if encoded and sum(1 for p in data if p.length and address(p.data) in encoded) != len(done):
         return None  # bytes that hold frames but would be encoded as native ones: the caller restores them first
     slices = [(p, start, min(CRC_SLICE_BYTES, p.length - start)) for p in data
               if where[id(p)] is not None and id(p) not in done for start in range(0, p.length, CRC_SLICE_BYTES)]

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from checkpointd import options
+from checkpointd.native.planes import address
 from checkpointd.storage import pagemem
 
 _ids = itertools.count(1)
@@ -89,18 +90,12 @@ class SharedSlab:
             self.fd = None
 
 
-def address(view: Any) -> int:
-    """The address of the first byte of ``view`` (a buffer; 0 for an empty one)."""
-    mv = memoryview(view)
-    return int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data) if mv.nbytes else 0
-
-
 def locate(view: Any) -> tuple[SharedSlab, int] | None:
     """``(slab, offset)`` of the bytes ``view`` (a buffer) spans, when they lie in one live slab."""
     mv = memoryview(view)
     if mv.nbytes == 0 or not mv.c_contiguous:
         return None
-    start = address(mv)
+    start = address(mv.cast("B"))
     with _lock:
         i = bisect.bisect(_starts, start) - 1
         if i < 0:
@@ -112,4 +107,4 @@ def locate(view: Any) -> tuple[SharedSlab, int] | None:
     return slab, offset
 
 
-__all__ = ["SharedSlab", "address", "locate", "on_release", "supported"]
+__all__ = ["SharedSlab", "locate", "on_release", "supported"]
