@@ -9,6 +9,7 @@ values. The CUDA run: ``tests/gpu/test_planes_on_device_cuda.py``.
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 
 import pytest
@@ -265,4 +266,58 @@ def test_a_forged_planes_file_is_refused_on_the_device_path_and_nothing_changes(
         with pytest.raises(CorruptCheckpointError, match="native bytes|decodes to|escape"):
             mgr.restore(1)
     assert device_image.stats["verified"] > before["verified"]  # checked on the "device" first
+    assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))
+
+
+def _frame_magic_broken(data: bytes) -> bytes:
+    """``data`` with the frame magic of its first chunk that holds native bytes changed (its layout no longer parses)."""
+    frames, natives = read_index(ViewFile(memoryview(data)), PLANES_FOOTER_MAGIC, "zstd-planes")
+    first = next(i for i in range(len(frames) - 1) if natives[i + 1] > natives[i])
+    out = bytearray(data)
+    out[frames[first]] ^= 0xFF
+    return bytes(out)
+
+
+@pytest.mark.parametrize("manifest", ["agrees", "disagrees"])
+def test_the_host_part_is_made_beside_the_upload_and_counts_only_after_the_checksum(tmp_path, on_cpu_device,
+                                                                                     bulk_on_cpu, monkeypatch,
+                                                                                     manifest) -> None:
+    model, opt = _trained(6)
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    threads, given = [], []
+    real_prepare, real_decode = device_image.prepare, device_image.decode_on_device
+
+    def spied_prepare(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_prepare(*args, **kwargs)
+
+    def spied_decode(*args, **kwargs):
+        given.append(kwargs.get("prepared"))
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(device_image, "prepare", spied_prepare)
+    monkeypatch.setattr(device_image, "decode_on_device", spied_decode)
+    _scramble(objects)
+    _restore(tmp_path, objects)
+    _assert_equal(expected, objects)
+    assert threads and set(threads) == {"checkpointd-plan"}
+    assert len(given) == len(threads) and all(isinstance(p, planes_device.Prepared) for p in given)
+
+    step_dir = tmp_path / "step-000000001"
+    victim = _biggest(step_dir)
+    broken = _frame_magic_broken(victim.read_bytes())
+    if manifest == "agrees":
+        _forge(step_dir, victim, broken)
+        wanted = r"chunk \d+ \(file byte \d+\): bad chunk frame header"
+    else:
+        victim.write_bytes(broken)
+        wanted = "fails its checksum"  # what the host part found is not reported: the bytes were not the file's
+    _scramble(objects)
+    live = _snapshot(model)
+    threads.clear()
+    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
+        with pytest.raises(CorruptCheckpointError, match=wanted):
+            mgr.restore(1)
+    assert threads, "the damaged file's host part was not made beside its upload"
     assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))

@@ -97,41 +97,54 @@ def available(device: torch.device) -> bool:
                                                               "Huffman kernel (its planes decode on the host)")
 
 
-def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: torch.Tensor) -> None:
+def decode(src: torch.Tensor, dst: torch.Tensor, planes: list[PlaneAt], bad: torch.Tensor,
+           tables: PlaneTables | None = None) -> None:
     """Decode ``planes`` from ``src`` (the stored file, uint8) into ``dst`` (uint8), both on one device;
-    a plane that does not decode sets ``bad`` (a bool on that device: read it after the last call)."""
+    a plane that does not decode sets ``bad`` (a bool on that device: read it after the last call).
+    ``tables``: :func:`plane_tables` of ``planes``, made beforehand (else here)."""
     if not planes:
         return
-    blocks, tables = _block_rows(src, planes)
+    per_plane, decode_table = tables if tables is not None else plane_tables(planes)
+    blocks = _block_rows(src, per_plane)
     if src.device.type != "cuda":  # the CPU: the host decoder, same contract
-        bad |= decode_blocks(src.numpy(), dst.numpy(), blocks.numpy(), tables) != 0
+        bad |= decode_blocks(src.numpy(), dst.numpy(), blocks.numpy(), decode_table) != 0
         return
     flag = torch.zeros(1, dtype=torch.int32, device=src.device)
     kernel = cuda_rtc.kernels(KERNEL_SOURCE, ["huffman_blocks"], src.device)["huffman_blocks"]
     n = blocks.shape[0]
     kernel.launch((n + THREADS - 1) // THREADS, THREADS, [src, dst, blocks,
-                  cuda_rtc.table_to(src.device, torch.from_numpy(tables.view(np.int16))), ctypes.c_longlong(n), flag])
+                  cuda_rtc.table_to(src.device, torch.from_numpy(decode_table.view(np.int16))), ctypes.c_longlong(n), flag])
     bad |= flag[0] != 0
 
 
-def _block_rows(src: torch.Tensor, planes: list[PlaneAt]) -> tuple[torch.Tensor, np.ndarray]:
-    """:func:`checkpointd.codecs.huffman.block_table`'s rows, made where ``src`` is from its block ends there.
+PlaneTables = tuple[np.ndarray, np.ndarray]
+"""What the host makes for :func:`decode` from the planes alone (:func:`plane_tables`)."""
 
-    A file's planes have ~1000 blocks each (600 thousand for 4.8 GB): making their rows on the host and
-    uploading them cost 40-70 ms of a restore on an H200 host, a few torch operations on the device
-    under one. Only one row per plane crosses. Each end is clamped to its plane's stream (the host
-    checked the same bytes, but only these are used), so a block never reaches past it whatever the
-    ends say; ends out of order make blocks that cannot decode, which the kernel refuses.
-    """
+
+def plane_tables(planes: list[PlaneAt]) -> PlaneTables:
+    """The host's part of :func:`decode`: one row per plane (where its block ends and stream are, where its
+    symbols go, its block size and decode table) and the decode tables of its distinct codes."""
     keys: dict[bytes, int] = {}
     per_plane = np.array([(p.src + HEADER.size + LENGTHS_NBYTES, p.plane.ends.size, 8 * (p.src + p.plane.stream[0]),
                            8 * (p.plane.stream[1] - p.plane.stream[0]), p.dst, p.count, p.plane.block,
                            keys.setdefault(p.plane.lengths.tobytes(), len(keys))) for p in planes], dtype=np.int64)
-    tables = decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
+    return per_plane, decode_tables(np.frombuffer(b"".join(keys), dtype=np.uint8)).reshape(-1)
+
+
+def _block_rows(src: torch.Tensor, per_plane: np.ndarray) -> torch.Tensor:
+    """:func:`checkpointd.codecs.huffman.block_table`'s rows, made where ``src`` is from its block ends there.
+
+    A file's planes have ~1000 blocks each (600 thousand for 4.8 GB): making their rows on the host and
+    uploading them cost 40-70 ms of a restore on an H200 host, a few torch operations on the device
+    under one. Only one row per plane crosses (``per_plane``, :func:`plane_tables`). Each end is clamped
+    to its plane's stream (the host checked the same bytes, but only these are used), so a block never
+    reaches past it whatever the ends say; ends out of order make blocks that cannot decode, which the
+    kernel refuses.
+    """
     device = src.device
     ends_at, sizes, bit_base, total_bits, dst, count, block, table = cuda_rtc.table_to(
         device, torch.from_numpy(per_plane)).unbind(1)
-    plane = torch.repeat_interleave(torch.arange(len(planes), device=device), sizes,
+    plane = torch.repeat_interleave(torch.arange(per_plane.shape[0], device=device), sizes,
                                     output_size=int(per_plane[:, 1].sum()))  # given: no wait for the device
     k = torch.arange(plane.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes)[plane]
     at = ends_at[plane] + 4 * k
@@ -141,7 +154,7 @@ def _block_rows(src: torch.Tensor, planes: list[PlaneAt]) -> tuple[torch.Tensor,
     base, size = bit_base[plane], block[plane]
     rows = torch.stack([base + start, base + stop, dst[plane] + k * size,
                         table[plane] << 32 | torch.minimum(size, count[plane] - k * size)], dim=1)
-    return rows.contiguous(), tables
+    return rows.contiguous()
 
 
-__all__ = ["KERNEL_SOURCE", "available", "decode"]
+__all__ = ["KERNEL_SOURCE", "PlaneTables", "available", "decode", "plane_tables"]

@@ -103,25 +103,37 @@ class _Chunk:
         return lay.itemsize, lay.count, lay.rotated, tuple(mode for mode, _, _ in lay.planes), tuple(self.on_device)
 
 
-def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
-                     upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-                     check_chunks: bool = True, data: torch.Tensor | None = None, wait: bool = True) -> OnDevice:
-    """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
+@dataclass
+class Prepared:
+    """The host's part of decoding a file (:func:`prepare`), made before the device's part."""
 
-    ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
-    copies host bytes to the device, ``dst.copy_(src)`` for every ``(dst, src)`` (the default). ``check_chunks=False`` skips the
-    chunks' own CRC-32s, for a file whose every byte was just checked against its manifest (they cover
-    the same bytes: they exist for reads of one tensor, which check no file checksum). ``data``: where
-    the native bytes go (uint8 on the device, the file's native size; default: allocated here).
-    ``wait=False`` returns once the device's work is queued, the host bytes written: the caller may parse
-    them meanwhile, and calls :meth:`OnDevice.check` before anything reads the device bytes.
+    chunks: list[_Chunk]
+    host: torch.Tensor
+    """The native bytes the host decoded, at their places in the native file (the rest not written)."""
+    sources: list[torch.Tensor]
+    """What goes up to the device: the host-decoded planes (one buffer), then each chunk that is not
+    planes, in chunk order (:func:`_upload_targets` gives their places)."""
+    staged: torch.Tensor | None
+    """``sources`` gathered into one buffer for one queued copy up, if they fit in :data:`QUEUED_UPLOAD_BYTES`
+    and the device is a GPU, else None."""
+    decoded_nbytes: int
+    on_device_nbytes: int
+    huffman: list[huffman.PlaneAt]
+    """The Huffman planes the device decodes, and the host's tables for that (:func:`huffman_device.plane_tables`)."""
+    huffman_tables: huffman_device.PlaneTables | None
+
+
+def prepare(stored: memoryview, device: torch.device, executor: Executor, check_chunks: bool = True) -> Prepared:
+    """The host's part of decoding the ``zstd-planes`` file ``stored`` onto ``device``: every chunk's
+    layout checked, the chunks that are not planes (and planes the device does not decode) decoded on
+    the host, the bytes to upload gathered. It reads only ``stored``, so a restore runs it while the
+    file's upload and checksum are still under way (:func:`checkpointd.restore.device_image.verify`);
+    its result is used only once the file matched its checksum. ``executor`` runs the host decoding,
+    one chunk per task; ``check_chunks`` as in :func:`decode_on_device`.
 
     Raises:
-        CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
+        CorruptCheckpointError: a damaged or malformed file.
     """
-    device = stored_data.device
-    if stored_data.numel() != stored.nbytes:
-        raise ValueError(f"the device copy has {stored_data.numel()} bytes, the file {stored.nbytes}")
     frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
     chunks, decoded_nbytes, on_device_nbytes = _plan(stored, frames, natives, huffman_device.available(device))
     host = torch.empty(natives[-1], dtype=torch.uint8)
@@ -133,28 +145,57 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
+    sources = ([scratch] if decoded_nbytes else []) + [host[c.native[0] : c.native[1]] for c in chunks
+                                                        if c.layout.kind != KIND_PLANES]
+    staged = None
+    if device.type == "cuda" and sum(t.numel() for t in sources) <= QUEUED_UPLOAD_BYTES:
+        staged = torch.cat(sources) if sources else None
+    on_device = [q for c in chunks for q in c.on_device.values()]
+    return Prepared(chunks, host, sources, staged, decoded_nbytes, on_device_nbytes, on_device,
+                    huffman_device.plane_tables(on_device) if on_device else None)
+
+
+def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
+                     upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+                     check_chunks: bool = True, data: torch.Tensor | None = None, wait: bool = True,
+                     prepared: Prepared | None = None) -> OnDevice:
+    """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
+
+    ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
+    copies host bytes to the device, ``dst.copy_(src)`` for every ``(dst, src)`` (the default). ``check_chunks=False`` skips the
+    chunks' own CRC-32s, for a file whose every byte was just checked against its manifest (they cover
+    the same bytes: they exist for reads of one tensor, which check no file checksum). ``data``: where
+    the native bytes go (uint8 on the device, the file's native size; default: allocated here).
+    ``wait=False`` returns once the device's work is queued, the host bytes written: the caller may parse
+    them meanwhile, and calls :meth:`OnDevice.check` before anything reads the device bytes.
+    ``prepared``: the host's part, made from ``stored`` beforehand (:func:`prepare`), else made here.
+
+    Raises:
+        CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
+    """
+    device = stored_data.device
+    if stored_data.numel() != stored.nbytes:
+        raise ValueError(f"the device copy has {stored_data.numel()} bytes, the file {stored.nbytes}")
+    p = prepared if prepared is not None else prepare(stored, device, executor, check_chunks)
+    native_nbytes = p.host.numel()
     if data is None:
-        data = torch.empty(natives[-1], dtype=torch.uint8, device=device)
-    elif data.numel() != natives[-1] or data.device != device:
-        raise ValueError(f"the output has {data.numel()} bytes on {data.device}, the file {natives[-1]} on {device}")
-    scratch_data = torch.empty(decoded_nbytes, dtype=torch.uint8, device=device)
-    pairs = [(scratch_data, scratch)] if decoded_nbytes else []
+        data = torch.empty(native_nbytes, dtype=torch.uint8, device=device)
+    elif data.numel() != native_nbytes or data.device != device:
+        raise ValueError(f"the output has {data.numel()} bytes on {data.device}, the file {native_nbytes} on {device}")
+    scratch_data = torch.empty(p.decoded_nbytes, dtype=torch.uint8, device=device)
+    targets = ([scratch_data] if p.decoded_nbytes else []) + [data[c.native[0] : c.native[1]] for c in p.chunks
+                                                               if c.layout.kind != KIND_PLANES]
+    if p.staged is not None:
+        _queued_upload(targets, p.staged, device)
+    elif targets:
+        (upload or _copy_pairs)(list(zip(targets, p.sources)))
     groups: dict[tuple, list[_Chunk]] = {}
-    device_only: list[tuple[int, int]] = []
-    for c in chunks:
-        a, b = c.native
+    for c in p.chunks:
         if c.layout.kind == KIND_PLANES:
             groups.setdefault(c.group(), []).append(c)
-            device_only.append((a, b))
-        else:
-            pairs.append((data[a:b], host[a:b]))
-    if device.type == "cuda" and sum(d.numel() for d, _ in pairs) <= QUEUED_UPLOAD_BYTES:
-        _queued_upload(pairs, device)
-    else:
-        (upload or _copy_pairs)(pairs)
     bad = torch.zeros((), dtype=torch.bool, device=device)
-    device_planes = torch.empty(on_device_nbytes, dtype=torch.uint8, device=device)
-    huffman_device.decode(stored_data, device_planes, [p for c in chunks for p in c.on_device.values()], bad)
+    device_planes = torch.empty(p.on_device_nbytes, dtype=torch.uint8, device=device)
+    huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
     sources = [stored_data, scratch_data, device_planes]
     fused: list[merge_device.Chunk] = []
     use_kernel = merge_device.available(device)
@@ -165,27 +206,19 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
             _merge(group, sources, data, bad)
         _tails(group, stored_data, data)
     merge_device.merge(data, sources, fused)
-    out = OnDevice(host, data, _joined(device_only), bad)
+    out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
     if wait:
         out.check()
     return out
 
 
-def _queued_upload(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
-    """``dst.copy_(src)`` for every pair (host to ``device``), queued on the current stream: gathered into
-    one buffer, one copy up (:func:`checkpointd.native.cuda_rtc.table_to`), scattered there. The host waits
-    for no device work (an upload through the restore's bounce waits for everything queued before it:
-    the other files' decoding)."""
-    if not pairs:
-        return
-    spans, end = [], 0
-    for dst, _ in pairs:
-        spans.append((end, end + dst.numel()))
-        end += dst.numel()
-    staging = torch.empty(end, dtype=torch.uint8)
-    torch._foreach_copy_([staging[a:b] for a, b in spans], [src for _, src in pairs])
-    landing = cuda_rtc.table_to(device, staging)
-    torch._foreach_copy_([dst for dst, _ in pairs], [landing[a:b] for a, b in spans])
+def _queued_upload(targets: list[torch.Tensor], staged: torch.Tensor, device: torch.device) -> None:
+    """Fill ``targets`` (uint8 on ``device``) from ``staged`` (their host bytes one after the other), queued
+    on the current stream: one copy up (:func:`checkpointd.native.cuda_rtc.table_to`), scattered there.
+    The host waits for no device work (an upload through the restore's bounce waits for everything
+    queued before it: the other files' decoding)."""
+    landing = cuda_rtc.table_to(device, staged)
+    torch._foreach_copy_(targets, list(landing.split([t.numel() for t in targets])))
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -357,4 +390,4 @@ def _in_chunk(exc: CorruptCheckpointError, index: int, at: int) -> CorruptCheckp
                                   f"restore another step")
 
 
-__all__ = ["OnDevice", "decode_on_device"]
+__all__ = ["OnDevice", "Prepared", "decode_on_device", "prepare"]

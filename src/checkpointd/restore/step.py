@@ -93,8 +93,12 @@ def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None 
     ``decode_on_device``: within a restore that verifies on a device (:func:`restore_in_place`), local
     ``zstd-planes`` files may be decoded there; the host bytes of their float tensors are then written
     only when read through :func:`checkpointd.restore.device_image.ensure_host`.
+
+    The largest file is read first: uploads to the device take turns (:mod:`checkpointd.restore.bounce`),
+    and the file read first is parsed while the others upload, so the longest parse (the most tensors,
+    as a rule the optimizer's) is then off the critical path.
     """
-    files = [f for f in manifest.files if rank is None or f.rank == rank]
+    files = sorted((f for f in manifest.files if rank is None or f.rank == rank), key=lambda f: -f.size)
 
     def one(entry: FileEntry) -> tuple[str, Any]:
         where = store.display(layout.join(step_dir, entry.path))
@@ -132,7 +136,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
 
     def on_device(buf: Any) -> int | None:
         """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.restore.device_image`)."""
-        got = device_image.verify(buf)
+        got = device_image.verify(buf, planes)
         if got is None:
             return None
         image.append(got[0])
