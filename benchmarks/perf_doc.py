@@ -2,7 +2,7 @@
 
     python benchmarks/perf_doc.py --out docs/performance.md "LABEL=OUT_DIR@COMMIT" ["LABEL=OUT_DIR@COMMIT" ...]
 
-Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``compression.json``,
+Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``persist_tmpfs.json``, ``compression.json``,
 ``float8_fsdp.json``, ``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
 For the stall and restore benchmarks the document gets one table: the workload, card, commit and command
 of each run above it, then checkpointd's rows beside ``torch.save`` and
@@ -104,6 +104,14 @@ BENCHMARKS = (
 
 
 TABLES = (
+    ("persist_tmpfs", "Save to commit on tmpfs",
+     "`benchmarks/bench_persist.py`, the state on the GPU: the time from `maybe_save(step, force=True)` until the "
+     "checkpoint is committed and durable (best of the repetitions; `first`: the first), beside raw parallel "
+     "writes of the same bytes (the ceiling). `checkpointd` stages in pinned host memory, the `_device` rows "
+     "on the GPU; `_planes` compresses with `zstd-planes`. The `_fast` rows write every save as a preemption "
+     "save is (`writemode.FAST_PERSIST`): with `zstd-planes` the float tensors are then encoded on the GPU "
+     "(`checkpointd.save.device_encode`); other saves are encoded by the persist process on the host's cores. "
+     "`size ratio`: state bytes over bytes written."),
     ("compression", "Compression (the CPU codecs)",
      "`benchmarks/bench_compression.py`: ratio and speed of one-call zstd and of checkpointd's `zstd` and "
      "`zstd-planes` codecs on the host's cores (no file I/O; best of the repetitions). The targets are a ratio "
