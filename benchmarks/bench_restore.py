@@ -389,6 +389,7 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
     from checkpointd.restore import apply as restore_apply  # noqa: PLC0415
     from checkpointd.restore import device_image  # noqa: PLC0415
     from checkpointd.restore import step as restore  # noqa: PLC0415
+    from checkpointd.restore.per_entry import check_compatible  # noqa: PLC0415
 
     def verifying(entries):
         return device_image.verifying_on(device_image.target_device([e.obj for e in entries]))
@@ -410,7 +411,7 @@ def bench_phases(root: str, args, dev: C.Dev, model, opt, pristine, ref) -> list
                     dev.sync()
                     t1 = time.perf_counter()
                     values = restore.values_by_entry(manifest, contents)
-                    restore.check_compatible(entries, values, manifest.step)
+                    check_compatible(entries, values, manifest.step)
                     dev.sync()
                     t2 = time.perf_counter()
                     restore_apply.apply_entries(entries, values)

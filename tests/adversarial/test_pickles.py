@@ -21,7 +21,7 @@ import checkpointd
 from checkpointd import CheckpointManager, CorruptCheckpointError, UnsafeCheckpointError
 
 from . import craft
-from .craft import (BAD, BUILD, EMPTY_DICT, GOOD, MARK, NONE, POP, REDUCE, SETITEM, TUPLE, TUPLE1, op_global,
+from .craft import (BAD, EMPTY_DICT, GOOD, MARK, NONE, POP, REDUCE, SETITEM, TUPLE, TUPLE1, op_global,
                     op_int, op_str)
 
 REBUILD = ("torch._utils", "_rebuild_tensor_v2")

@@ -11,7 +11,6 @@ import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 

@@ -114,7 +114,7 @@ class Prepared:
     """The native bytes the host decoded, at their places in the native file (the rest not written)."""
     sources: list[torch.Tensor]
     """What goes up to the device: the host-decoded planes (one buffer), then each chunk that is not
-    planes, in chunk order (:func:`_upload_targets` gives their places)."""
+    planes, in chunk order (:func:`decode_on_device` puts each in its place)."""
     staged: torch.Tensor | None
     """``sources`` gathered into one buffer for one queued copy up, if they fit in :data:`QUEUED_UPLOAD_BYTES`
     and the device is a GPU, else None."""

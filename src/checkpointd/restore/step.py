@@ -32,7 +32,7 @@ from checkpointd.format.streams import ReadStream, byte_view
 from checkpointd.restore import device_image, fastload
 from checkpointd.restore.apply import apply_entries
 from checkpointd.restore.assemble import assemble_full_values, sharded_values
-from checkpointd.restore.per_entry import Selection, check_compatible, fit_values  # noqa: F401 - check_compatible: benchmarks call it here
+from checkpointd.restore.per_entry import Selection, fit_values
 from checkpointd.restore.verify import check_file
 from checkpointd.rng import check_rng
 from checkpointd.state import RNG_KEY, Entry
@@ -94,9 +94,10 @@ def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None 
     ``zstd-planes`` files may be decoded there; the host bytes of their float tensors are then written
     only when read through :func:`checkpointd.restore.device_image.ensure_host`.
 
-    The largest file is read first: uploads to the device take turns (:mod:`checkpointd.restore.bounce`),
-    and the file read first is parsed while the others upload, so the longest parse (the most tensors,
-    as a rule the optimizer's) is then off the critical path.
+    The largest file is started first: uploads to the device take turns (:mod:`checkpointd.restore.bounce`),
+    and the file whose upload ends first is parsed while the others upload. Started first, the largest
+    (the most tensors to parse, as a rule the optimizer's) usually gets the first turn, and its parse is
+    then off the critical path; the turns are not enforced.
     """
     files = sorted((f for f in manifest.files if rank is None or f.rank == rank), key=lambda f: -f.size)
 
