@@ -157,7 +157,8 @@ def _save_with_reference(state: dict[str, Any], root: Path, name: str, step: int
         torch.save({"saved": saved, "after": after}, root / f"want{name[1:]}.pt")
 
 
-def restore_on_2(rank: int, world: int, root: str) -> dict[str, Any]:
+def restore_on_2(rank: int, world: int, root: str, save_as: str | None = "r2") -> dict[str, Any]:
+    """Restore ``r4`` on ``world`` ranks, in place, check it and the next step; then save it as ``save_as``."""
     warnings.filterwarnings("ignore")
     want = torch.load(Path(root) / "want4.pt", weights_only=True)
     state = _models(world, 1)
@@ -171,10 +172,11 @@ def restore_on_2(rank: int, world: int, root: str) -> dict[str, Any]:
         tag, fqn, m = k
         p = dict(state[f"model{tag}"].named_parameters())[fqn]
         assert _local(state[f"opt{tag}"].state[p][m]) is t and [v.data_ptr() for v in _inner_views(t)] == ptrs[k], k
-    _assert_snapshot(_snapshot(state, world), want["saved"], "4 -> 2")
+    _assert_snapshot(_snapshot(state, world), want["saved"], f"4 -> {world}")
     _step(state, 3, rank, world)
-    _assert_snapshot(_snapshot(state, world), want["after"], "the step after 4 -> 2")
-    _save_with_reference(state, Path(root), "r2", 3, rank, world)
+    _assert_snapshot(_snapshot(state, world), want["after"], f"the step after 4 -> {world}")
+    if save_as is not None:
+        _save_with_reference(state, Path(root), save_as, 3, rank, world)
     return {"restored": restored, "classes": sorted({type(t).__name__ for t in live.values()})}
 
 
@@ -220,6 +222,13 @@ def test_reshard_4_to_2_restores_in_place_and_steps_alike(steps: Path) -> None:
         assert [b["shape"] for b in rec["blocks"]] == [[64, 64]] * 4
         per_block = 256 if tag != "4bit" else 128
         assert [b["inner_shapes"]["scale"] for b in rec["blocks"]] == [[64 * 64 // per_block]] * 4
+
+
+def test_one_rank_restores_the_4_rank_states_in_place_and_steps_alike(steps: Path) -> None:
+    """A world of one (FSDP2 on a 1-rank gloo group): each moment's blocks of the 4 ranks become one local
+    state, in the live storages, and the next step matches the 4-rank run's."""
+    results = run_distributed(restore_on_2, 1, str(steps), None, deadline_secs=120)
+    assert results == [{"restored": 2, "classes": sorted(CLASSES.values()) + ["Tensor"]}]
 
 
 def test_load_assembles_the_global_states_and_one_process_steps_alike(steps: Path) -> None:
