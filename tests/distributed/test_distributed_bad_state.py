@@ -262,3 +262,35 @@ def test_staging_failure_handed_to_the_protocol_fails_the_step_everywhere(tmp_pa
     assert "staging buffers could not be allocated" in r0["errors"][0], r0
     assert r0["secs"] < FAST_SECS, r0
     assert r0["steps"] == r1["steps"] == [1, 3]
+
+
+def restore_into_a_different_model_on_rank1(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    """Save a plain replicated model on every rank, then restore it where rank 1's model has another shape."""
+    torch.manual_seed(0)
+    saved = nn.Linear(4, 3)
+    opts = dict(mode=mode, keep_last=None, distributed=DistributedOptions(timeout_secs=30))
+    with CheckpointManager(root, {"model": saved}, **opts) as mgr:
+        mgr.save(1)
+    live = nn.Linear(4, 3) if rank == 0 else nn.Linear(4, 5)
+    with torch.no_grad():
+        for p in live.parameters():
+            p.fill_(-1.0)
+    t0 = time.monotonic()
+    try:
+        with CheckpointManager(root, {"model": live}, **opts) as mgr:
+            mgr.restore(1)
+        error = None
+    except CheckpointError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "secs": time.monotonic() - t0,
+            "untouched": all(bool((p == -1.0).all()) for p in live.parameters())}
+
+
+@pytest.mark.parametrize("mode", ["full", "sharded"])
+def test_a_restore_that_does_not_fit_one_rank_changes_no_rank(tmp_path: Path, mode: str) -> None:
+    r0, r1 = run_distributed(restore_into_a_different_model_on_rank1, 2, str(tmp_path), mode)
+    assert r1["error"] and r1["error"].startswith("StateMismatchError") and "shape" in r1["error"], r1
+    assert r0["error"] and r0["error"].startswith("StateMismatchError") and "rank 1:" in r0["error"], r0
+    assert "no rank restored it" in r0["error"]
+    assert r0["untouched"] and r1["untouched"], "a rank applied the step although another refused it"
+    assert r0["secs"] < FAST_SECS and r1["secs"] < FAST_SECS

@@ -12,8 +12,9 @@ The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is i
   every rank reported success; :meth:`merge_manifest` lists every rank's files);
 - restores with :meth:`restore_step`: every rank reads and verifies the files it needs (full mode: rank 0's
   files and its own RNG file; sharded mode: rank 0's file, its own for RNG, and only the rank files whose
-  blocks overlap its regions), the ranks agree that all verified, then each rank copies its part into
-  the live objects in place; ``restore_loaded`` (``restore_from``) has every rank load the full values and
+  blocks overlap its regions), the ranks agree that all verified, then that the values fit every rank's
+  live objects (a rank that refuses them stops every rank), then each rank copies its part into the
+  live objects in place; ``restore_loaded`` (``restore_from``) has every rank load the full values and
   apply its part the same way. Partial and non-strict restores: a ``Selection`` (see ``manager_restore.py``).
 
 RNG under a changed world size: per-rank RNG streams cannot be mapped onto a different number of ranks,
@@ -350,8 +351,23 @@ class DistributedRuntime:
         self._load(values, source, selection, available)
 
     def _load(self, values: dict[str, Any], source: str, selection: Selection, available: Any) -> None:
-        """Check the chosen entries against ``values`` (nothing applied on a mismatch), apply, warn (rank 0)."""
-        fitted = self._fit(values, source, selection, available)
+        """Check the chosen entries against ``values``, agree that they fit on every rank (nothing is applied
+        on any rank when one does not), apply, warn (rank 0)."""
+        fitted: per_entry.Fitted | None = None
+        error: BaseException | None = None
+        try:
+            fitted = self._fit(values, source, selection, available)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone applies
+            error = exc
+        problems = [p for p in self.coord.gather_control(
+            None if error is None else (type(error).__name__, f"rank {self.rank}: {error}")) if p]
+        if error is not None:
+            raise error
+        if problems:
+            kind = StateMismatchError if any(name == StateMismatchError.__name__ for name, _ in problems) else CheckpointError
+            raise kind(f"{source} does not fit the live state on every rank, so no rank restored it: "
+                       + "; ".join(msg for _, msg in problems[:4]))
+        assert fitted is not None
         for e in fitted.entries:
             self._apply(e, fitted.values[e.name], f"state[{e.name!r}]")
         if fitted.left and self.is_rank0:
