@@ -205,8 +205,14 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def merge_records(per_rank: list[dict[str, dict[PathKey, dict[str, Any]]]]) -> dict[str, dict[PathKey, dict[str, Any]]]:
-    """Per-rank records ``{entry: {path: record}}`` -> one record per tensor with the list of all blocks."""
+    """Per-rank records ``{entry: {path: record}}`` -> one record per tensor with the list of all blocks.
+
+    Ranks may hold different local types for one DTensor: torchao quantizes an optimizer state only
+    from a size up, and uneven FSDP2 shards can fall on either side of it. The record then names the
+    subclass, and each block stored as a plain tensor says so (``"plain": true``).
+    """
     out: dict[str, dict[PathKey, dict[str, Any]]] = {}
+    kinds: dict[tuple[str, PathKey], list[tuple[dict[str, Any], Any]]] = {}
     for rank_records in per_rank:
         for name, by_path in rank_records.items():
             dest = out.setdefault(name, {})
@@ -217,7 +223,16 @@ def merge_records(per_rank: list[dict[str, dict[PathKey, dict[str, Any]]]]) -> d
                     merged["blocks"] = []
                     dest[key] = merged
                 if rec.get("block") is not None:
-                    merged["blocks"].append(rec["block"])
+                    block = dict(rec["block"])
+                    merged["blocks"].append(block)
+                    kinds.setdefault((name, key), []).append((block, rec.get("subclass")))
+    for (name, key), blocks in kinds.items():
+        parts = [part for _, part in blocks if part is not None]
+        if parts and len(parts) < len(blocks):  # some blocks quantized, some plain
+            out[name][key]["subclass"] = parts[0]
+            for block, part in blocks:
+                if part is None:
+                    block["plain"] = True
     for by_path in out.values():
         for rec in by_path.values():
             rec["blocks"].sort(key=lambda b: (b["offsets"], b["rank"]))

@@ -62,14 +62,16 @@ class ShardedSubclassLeaf(ShardedLeaf):
         return f"entry {self.name!r} tensor {self.key}"
 
     def stored_block(self, block: dict[str, Any]) -> torch.Tensor:
-        """The stored local subclass of ``block``, checked to be an accepted object of the recorded class."""
+        """The stored local subclass of ``block``, checked to be an accepted object of the recorded class
+        (a plain tensor for a block the manifest says was stored plain)."""
         obj = self.block_value(block)
-        cls = accepted_class(self.class_name)
+        cls = accepted_class(self.class_name) if not block.get("plain") else torch.Tensor
         if cls is None:
             raise UnacceptedSubclassError(refusal(self.class_name, self.where))
         if type(obj) is not cls:
             got = qualname(type(obj)) if isinstance(obj, torch.Tensor) else type(obj).__name__
-            raise CorruptCheckpointError(f"{self.where}: rank {block['rank']}'s block is a {got}, the manifest says {self.class_name}")
+            raise CorruptCheckpointError(f"{self.where}: rank {block['rank']}'s block is a {got}, the manifest says "
+                                         f"{qualname(cls)}")
         if tuple(obj.shape) != tuple(block["shape"]):
             raise CorruptCheckpointError(f"{self.where}: rank {block['rank']}'s block has shape {tuple(obj.shape)}, "
                                          f"the manifest says {tuple(block['shape'])}")
@@ -95,13 +97,19 @@ class ShardedSubclassLeaf(ShardedLeaf):
             StateMismatchError: ``target`` is not of the stored class, another config, or a reshard the
                 class's rule does not allow (or it has no rule).
         """
-        if qualname(type(target)) != self.class_name or not is_stored_subclass(target):
+        same = [b for b in self.record["blocks"] if tuple(b["offsets"]) == tuple(offsets) and tuple(b["shape"]) == tuple(shape)]
+        if same and same[0].get("plain") and type(target) is torch.Tensor:  # stored plain, live plain: this block as it is
+            return [(target, self.stored_block(same[0]))]
+        if not same:
+            self._not_mixed(where)
+        if qualname(type(target)) != self.class_name or not is_stored_subclass(target) or (same and same[0].get("plain")):
+            held = f"a plain tensor for this block, {self.class_name} for others" if same and same[0].get("plain") else \
+                f"{self.class_name} blocks"
             raise StateMismatchError(f"{where}: the live local tensor is a {qualname(type(target))}, the checkpoint holds "
-                                     f"{self.class_name} blocks; build the model with the quantization that was saved")
+                                     f"{held}; build the model with the quantization that was saved")
         if target.dtype != self.dtype:
             raise StateMismatchError(f"{where}: live {type(target).__name__} of dtype {target.dtype}, saved {self.dtype}")
         rule = rule_for(self.class_name)
-        same = [b for b in self.record["blocks"] if tuple(b["offsets"]) == tuple(offsets) and tuple(b["shape"]) == tuple(shape)]
         if same:
             try:
                 return inner_pairs(target, self.stored_block(same[0]), where)
@@ -120,6 +128,7 @@ class ShardedSubclassLeaf(ShardedLeaf):
             raise StateMismatchError(f"{where}: the live local tensor is not whole rows of the global one; "
                                      f"only a row split (Shard(0)) of a {self.class_name} can be resharded")
         self.blocks_for(offsets, shape)  # the stored blocks cover the region, or CorruptCheckpointError
+        self._not_mixed(where)
         blocks = row_blocks(self.record, rule, where)
         rows = (offsets[0], offsets[0] + shape[0])
         touched = [b for b in blocks if b.rows[0] < rows[1] and rows[0] < b.rows[1]]
@@ -172,6 +181,7 @@ class ShardedSubclassLeaf(ShardedLeaf):
             self.blocks_for(tuple(0 for _ in self.shape), self.shape)  # raises: the checkpoint is incomplete
         if self.dequantized is not None:
             return self._dequantized(blocks, self.dequantized)
+        self._not_mixed(self.where)
         if len(blocks) == 1:
             return self.stored_block(blocks[0])
         rule = rule_for(self.class_name)
@@ -189,6 +199,15 @@ class ShardedSubclassLeaf(ShardedLeaf):
         stride = _contiguous_strides(size)
         return cls.__tensor_unflatten__(inner, on_device(rule.ctx_for(ctx, tuple(size), stride), torch.device("cpu")),
                                         size, stride)
+
+    def _not_mixed(self, where: str) -> None:
+        """Refuse to assemble or reshard blocks of which some were stored plain (:func:`merge_records`)."""
+        plain = [b["rank"] for b in self.record["blocks"] if b.get("plain")]
+        if plain:
+            raise StateMismatchError(
+                f"{where}: the ranks stored different local types ({self.class_name} blocks, plain tensors on ranks "
+                f"{plain}: uneven shards on either side of the quantization's minimum size), which restore only onto "
+                "the same blocks (the same mesh and world size), or whole with checkpointd.load(..., dequantize=True)")
 
     def _dequantized(self, blocks: list[dict[str, Any]], done: dict[str, str]) -> torch.Tensor:
         """The blocks dequantized by their class (:mod:`checkpointd.format.dequantize`), assembled (not bit-exact).
