@@ -35,7 +35,7 @@ import torch
 from checkpointd.restore import per_entry
 from checkpointd import commit
 from checkpointd.restore import step as restore_mod
-from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, StateError,
+from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError,
                       StateMismatchError)
 from checkpointd.format.manifest import EntryLocation, FileEntry, Manifest
 from checkpointd.restore.per_entry import Selection
@@ -48,8 +48,9 @@ from checkpointd.restore.sharded_subclasses import plan_copy_into
 from checkpointd.distributed.coordination import Coordinator, DistributedWriter, PeerStateError, RankFailedError
 from checkpointd.format.sharding import ShardedLeaf, materialize, merge_records, split_tree, walk
 from checkpointd.format.subclasses import check_described, check_sharded_described
-from checkpointd.distributed.state_dicts import (check_optimizer, gather_tree, is_fsdp1, live_module_state, load_module, load_optimizer,
-                          module_state, optimizer_state, owner_module, plan_module, plan_optimizer)
+from checkpointd.distributed.state_dicts import (as_state_error, check_optimizer, entry_tree, gather_tree, is_fsdp1,
+                          live_module_state, load_module, load_optimizer, module_state, optimizer_state, owner_module,
+                          plan_module, plan_optimizer, state_failure)
 from checkpointd.distributed.statecache import LocalStates
 
 logger = logging.getLogger("checkpointd")
@@ -60,31 +61,6 @@ LAYOUT_VERSION = 1
 
 def rng_file_name(rank: int, codec_suffix: str = "") -> str:
     return f"{RNG_DIR}/rank-{rank:05d}.pt{codec_suffix}"
-
-
-def _entry_tree(e: Entry) -> Any:
-    """An entry's own state (no communication): what its ``state_dict()`` returns, or the tensor or data."""
-    return _as_state_error(e, "taking its state dict", lambda: entry_state(e))
-
-
-def _state_failure(exc: Exception, step: int) -> CheckpointError:
-    """``exc`` as the CheckpointError this rank raises for the save of ``step`` (a StateError unless it is one already)."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    failure = StateError(f"this rank could not build its files for step {step}: {type(exc).__name__}: {exc}")
-    failure.__cause__ = exc
-    return failure
-
-
-def _as_state_error(e: Entry, doing: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, with an exception that is not a CheckpointError raised as a StateError naming the entry."""
-    try:
-        return fn()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user code (state_dict, hooks): say which entry
-        raise StateError(f"state[{e.name!r}] ({type(e.obj).__name__}): {doing} raised {type(exc).__name__}: {exc}; "
-                         "fix it (or leave the entry out of state) and save again") from exc
 
 
 class DistributedRuntime:
@@ -170,7 +146,7 @@ class DistributedRuntime:
         try:
             built = self._build_sharded(step, rng, codec_suffix)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone goes on
-            error = _state_failure(exc, step)
+            error = state_failure(exc, step)
         self._settle(step, error)
         return built
 
@@ -182,15 +158,15 @@ class DistributedRuntime:
         error: BaseException | None = None
         try:
             for e in own:  # local: no rank enters a gather before every rank has these
-                local[e.name] = _entry_tree(e)
+                local[e.name] = entry_tree(e)
                 validate_tree(local[e.name], f"state[{e.name!r}]")
         except Exception as exc:  # noqa: BLE001
-            error = _state_failure(exc, step)
+            error = state_failure(exc, step)
         if own:
             self._settle(step, error)
         built: Any = None
         try:
-            trees = {e.name: _as_state_error(e, "gathering its state", lambda e=e: self._gathered(e, local))
+            trees = {e.name: as_state_error(e, "gathering its state", lambda e=e: self._gathered(e, local))
                      for e in self.entries}
             rng_files = {str(r): rng_file_name(r, codec_suffix) for r in range(1, self.world_size)}
             if self.is_rank0:
@@ -205,7 +181,7 @@ class DistributedRuntime:
                 rng_file = FileContent(rel_path=rng_file_name(self.rank, codec_suffix), format="pt", tree=tree, rank=self.rank)
                 built = [rng_file], None, base
         except Exception as exc:  # noqa: BLE001
-            error = _state_failure(exc, step)
+            error = state_failure(exc, step)
         self._settle(step, error)
         return built
 
@@ -245,7 +221,7 @@ class DistributedRuntime:
         records: dict[str, Any] = {}
         self.local_states.begin()
         for e in self.entries:
-            tree = _as_state_error(e, "taking its state dict", lambda e=e: self._state_of(e, False))
+            tree = as_state_error(e, "taking its state dict", lambda e=e: self._state_of(e, False))
             validate_tree(tree, f"state[{e.name!r}]", module_keys=e.kind == "module")
             split_cache = self._split_cache[e.name] if self.local_states.enabled else None
             skeletons[e.name], blocks[e.name], records[e.name] = split_tree(tree, self.rank, split_cache)
@@ -343,11 +319,7 @@ class DistributedRuntime:
             values, available = read()
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone goes on
             error = exc
-        problems = [p for p in self.coord.gather_control(None if error is None else f"{type(error).__name__}: {error}") if p]
-        if error is not None:
-            raise error
-        if problems:
-            raise CheckpointError(f"{source} could not be loaded on every rank: " + "; ".join(problems[:4]))
+        self._all_or_none(error, f"{source} could not be loaded on every rank: ")
         self._load(values, source, selection, available)
 
     def _load(self, values: dict[str, Any], source: str, selection: Selection, available: Any) -> None:
@@ -359,19 +331,22 @@ class DistributedRuntime:
             fitted = self._fit(values, source, selection, available)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone applies
             error = exc
-        problems = [p for p in self.coord.gather_control(
-            None if error is None else (type(error).__name__, f"rank {self.rank}: {error}")) if p]
-        if error is not None:
-            raise error
-        if problems:
-            kind = StateMismatchError if any(name == StateMismatchError.__name__ for name, _ in problems) else CheckpointError
-            raise kind(f"{source} does not fit the live state on every rank, so no rank restored it: "
-                       + "; ".join(msg for _, msg in problems[:4]))
+        self._all_or_none(error, f"{source} does not fit the live state on every rank, so no rank restored it: ")
         assert fitted is not None
         for e in fitted.entries:
             self._apply(e, fitted.values[e.name], f"state[{e.name!r}]")
         if fitted.left and self.is_rank0:
             warnings.warn("checkpointd: " + "; ".join(fitted.left), RuntimeWarning, stacklevel=4)
+
+    def _all_or_none(self, error: BaseException | None, failed: str) -> None:
+        """Every rank learns whether any failed: the failing ranks raise their own error, the others ``failed``
+        and theirs (a StateMismatchError if one was)."""
+        problems = [p for p in self.coord.gather_control(None if error is None else (type(error).__name__, f"rank {self.rank}: {error}")) if p]
+        if error is not None:
+            raise error
+        if problems:
+            kind = StateMismatchError if any(name == StateMismatchError.__name__ for name, _ in problems) else CheckpointError
+            raise kind(failed + "; ".join(msg for _, msg in problems[:4]))
 
     def _read(self, store: Store, step_dir: str, manifest: Manifest, sel: Selection) -> tuple[dict[str, Any], Any]:
         if manifest.mode == "sharded":

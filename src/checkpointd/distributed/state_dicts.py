@@ -14,6 +14,9 @@ by ``copy_``, so strides, dtype and device are the live ones and no ``broadcast_
 permutes channels_last tensors) is involved. FSDP1 is the exception: its flat parameters are loaded
 through ``set_model_state_dict``/``set_optimizer_state_dict``, after :func:`fix_fsdp1_optimizer_layout`
 undoes the storage-order/logical-order mismatch that scrambles channels_last optimizer state.
+
+An error in user code while a rank takes its state (a ``state_dict()``, a hook) is raised as a
+StateError naming the entry (:func:`as_state_error`, :func:`state_failure`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from checkpointd.errors import StateMismatchError
+from checkpointd.errors import CheckpointError, StateError, StateMismatchError
 from checkpointd.restore.per_entry import KeySubset
 from checkpointd.restore.sharded_subclasses import plan_copy_into
-from checkpointd.state import unwrap_module
+from checkpointd.state import Entry, entry_state, unwrap_module
 from checkpointd.format.sharding import ShardedLeaf, copy_into, is_dtensor, map_tree, materialize, stored_shape
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module")
@@ -292,3 +295,29 @@ def _load_optimizer_fsdp1(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
         )
     set_optimizer_state_dict(model, optimizer, fix_fsdp1_optimizer_layout(model, osd),
                              options=StateDictOptions(full_state_dict=True))
+
+
+# -- errors of the state the ranks build -------------------------------------------------------------
+def entry_tree(e: Entry) -> Any:
+    """An entry's own state (no communication): what its ``state_dict()`` returns, or the tensor or data."""
+    return as_state_error(e, "taking its state dict", lambda: entry_state(e))
+
+
+def state_failure(exc: Exception, step: int) -> CheckpointError:
+    """``exc`` as the CheckpointError this rank raises for the save of ``step`` (a StateError unless it is one already)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    failure = StateError(f"this rank could not build its files for step {step}: {type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
+def as_state_error(e: Entry, doing: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with an exception that is not a CheckpointError raised as a StateError naming the entry."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code (state_dict, hooks): say which entry
+        raise StateError(f"state[{e.name!r}] ({type(e.obj).__name__}): {doing} raised {type(exc).__name__}: {exc}; "
+                         "fix it (or leave the entry out of state) and save again") from exc
