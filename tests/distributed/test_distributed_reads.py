@@ -12,10 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
 from dist_harness import assert_same_state, fsdp2_with_adamw, gathered_state, run_distributed, train_same_batches
+
+from adversarial import craft
 
 import checkpointd
 from checkpointd import CheckpointManager, DistributedOptions
@@ -141,16 +144,62 @@ def resume_past_damage(rank: int, world: int, root: str) -> Any:
             "steps_after": steps_after, "final": final, "restored": restored if rank == 0 else None}
 
 
-def test_damaged_newest_step_falls_back_on_every_rank_and_is_saved_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["a flipped byte", "an unsafe pickle"])
+def test_damaged_newest_step_falls_back_on_every_rank_and_is_saved_again(tmp_path: Path, damage: str) -> None:
+    """Only rank 1 reads the damaged shard file. With an unsafe pickle its checksums all match: rank 1 alone
+    finds it unsafe while unpickling, and every rank must still skip the same step."""
     root = str(tmp_path)
     at_1 = run_distributed(save_two_steps, 2, root)[0]
-    damaged = Path(root, "step-000000002", "shards", "rank-00001.pt.zst")
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(data))
+    step_dir = Path(root, "step-000000002")
+    damaged = step_dir / "shards" / "rank-00001.pt.zst"
+    if damage == "a flipped byte":
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    else:
+        rel = "shards/rank-00001.pt.zst"
+        native = craft.native_bytes(step_dir, rel)
+        hostile = craft.op_global("os", "system") + craft.MARK + craft.op_str("true") + craft.TUPLE + craft.REDUCE + craft.POP
+        pkl = craft.inject_into_pickle(craft.zip_member(native, "data.pkl"), hostile)
+        craft.forge_native(step_dir, rel, craft.zip_replace(native, "data.pkl", pkl))
     results = run_distributed(resume_past_damage, 2, root)
     for r in results:
         assert r["start"] == 2 and r["warned"] and r["steps_after"] == [1] and r["final"] == [1, 2], r
     assert_same_state(results[0]["restored"], at_1)
     (aside,) = Path(root, ".checkpointd-damaged").iterdir()  # moved once, by rank 0
     assert aside.name.startswith("step-000000002-") and (aside / "shards" / "rank-00001.pt.zst").exists()
+
+
+def restore_with_a_read_error_on_rank1(rank: int, world: int, root: str) -> Any:
+    """Rank 1 cannot read its shard file (an error that is not damage: it must not skip the step); every
+    rank stops at that step, no rank goes on to an older one."""
+    import time
+
+    from checkpointd.testing.faults import Fault, FaultPlan
+
+    model, opt = fsdp2_with_adamw(Even, seed=5)
+    before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    faults = [Fault(op="read", path=lambda p: "/step-000000002/shards/" in p, error=lambda op, path: PermissionError(13, "denied (test)"))]
+    plan = FaultPlan(*(faults if rank == 1 else []))
+    t0 = time.monotonic()
+    try:
+        with CheckpointManager(f"faulty://{root}", {"model": model, "optim": opt}, mode="sharded", compression="zstd",
+                               distributed=DistributedOptions(timeout_secs=30),
+                               storage_options={"target_protocol": "file", "faults": plan}) as mgr:
+            got = mgr.restore_latest()
+        error = f"restored step {got}"
+    except Exception as exc:  # noqa: BLE001 - the test reports what each rank raised
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "secs": time.monotonic() - t0,
+            "unchanged": all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())}
+
+
+def test_an_error_that_is_not_damage_on_one_rank_stops_every_rank_at_that_step(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    run_distributed(save_two_steps, 2, root)
+    r0, r1 = run_distributed(restore_with_a_read_error_on_rank1, 2, root)
+    assert "denied (test)" in r1["error"] and not r1["error"].startswith("restored"), r1
+    assert r0["error"].startswith("CheckpointError") and "could not be read on every rank: rank 1:" in r0["error"], r0
+    assert "denied (test)" in r0["error"] and r0["unchanged"] and r1["unchanged"]
+    assert r0["secs"] < 20 and r1["secs"] < 20  # within the coordination timeout: no rank waited for another
+    assert sorted(p.name for p in Path(root).glob("step-*")) == ["step-000000001", "step-000000002"]  # nothing set aside

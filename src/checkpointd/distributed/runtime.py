@@ -35,8 +35,7 @@ import torch
 from checkpointd.restore import per_entry
 from checkpointd import commit
 from checkpointd.restore import step as restore_mod
-from checkpointd.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError,
-                      StateMismatchError)
+from checkpointd.errors import NOT_VERIFIED, CheckpointError, CorruptCheckpointError, StateMismatchError
 from checkpointd.format.manifest import EntryLocation, FileEntry, Manifest
 from checkpointd.restore.per_entry import Selection
 from checkpointd.rng import restore_rng
@@ -279,7 +278,10 @@ class DistributedRuntime:
 
         ``selection`` (default: every entry, strict): see :mod:`checkpointd.manager_restore`.
 
-        Raises (on every rank alike) CorruptCheckpointError when any rank could not read or verify the step.
+        Raises (on every rank alike, so that every rank goes on to the same older step or stops):
+            CorruptCheckpointError: a rank could not read or verify the step (damaged, malformed or unsafe
+                content: :data:`~checkpointd.errors.NOT_VERIFIED`).
+            CheckpointError: anything else failed on a rank (the failing rank raises its own error).
         """
         sel = selection or per_entry.select_entries(self.entries)
         error: BaseException | None = None
@@ -291,11 +293,19 @@ class DistributedRuntime:
             check_described(manifest.extra.get("subclasses"), f"step {manifest.step}")  # before any pickle runs
             check_sharded_described(manifest.extra.get("sharded"), f"step {manifest.step}")
             values, rng = self._read(store, step_dir, manifest, sel)
-        except (CorruptCheckpointError, IncompleteCheckpointError, ManifestError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone goes on
             error = exc
-        problems = [p for p in self.coord.gather_control(None if error is None else f"{type(error).__name__}: {error}") if p]
-        if problems:
-            raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: " + "; ".join(problems[:4])) from error
+        problems = [p for p in self.coord.gather_control(
+            None if error is None else (isinstance(error, NOT_VERIFIED), f"rank {self.rank}: {type(error).__name__}: {error}")) if p]
+        if all(unverified for unverified, _ in problems):  # none, or only damage: every rank skips the step alike
+            if problems:
+                raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: "
+                                             + "; ".join(msg for _, msg in problems[:4])) from error
+        elif error is not None and not isinstance(error, NOT_VERIFIED):
+            raise error
+        else:
+            raise CheckpointError(f"{store.display(step_dir)} could not be read on every rank: "
+                                  + "; ".join(msg for _, msg in problems[:4])) from error
         assert manifest is not None
         self._load(values, f"step {manifest.step}", sel, manifest.entries)
         if not sel.restores_rng:
