@@ -12,7 +12,8 @@ The manager builds a :class:`DistributedRuntime` when ``torch.distributed`` is i
   every rank reported success; :meth:`merge_manifest` lists every rank's files);
 - restores with :meth:`restore_step`: every rank reads and verifies the files it needs (full mode: rank 0's
   files and its own RNG file; sharded mode: rank 0's file, its own for RNG, and only the rank files whose
-  blocks overlap its regions), the ranks agree that all verified, then that the values fit every rank's
+  blocks overlap its regions), the ranks agree that all read and verified (damage found by one rank makes
+  every rank skip the step, any other error stops every rank), then that the values fit every rank's
   live objects (a rank that refuses them stops every rank), then each rank copies its part into the
   live objects in place; ``restore_loaded`` (``restore_from``) has every rank load the full values and
   apply its part the same way. Partial and non-strict restores: a ``Selection`` (see ``manager_restore.py``).
