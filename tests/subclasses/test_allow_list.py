@@ -134,3 +134,28 @@ def test_a_fresh_process_without_the_classes_refuses_and_imports_nothing(tmp_pat
                "imported; nothing of it was run. To load it, import torchao before loading" in out[f"int8_{how}"]
     assert out["pair_steps"] == [1] and out["int8_steps"] == [1]
     assert out["imported"] == []
+
+
+def test_the_command_line_exports_torchao_state_with_import_only(tmp_path: Path) -> None:
+    """``checkpointd export`` in a fresh process: a step holding torchao's Int8Tensor is refused before any
+    pickle is read, naming ``--import``; with ``--import torchao`` it is exported; a module that does not
+    import is a usage error."""
+    with CheckpointManager(tmp_path / "int8", {"model": int8_model(0)}, compression="zstd") as mgr:
+        mgr.save(1)
+    step = str(tmp_path / "int8" / "step-000000001")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "checkpointd", *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+
+    refused = cli("export", step, str(tmp_path / "out"))
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "UnacceptedSubclassError" in line and "torchao.quantization.Int8Tensor" in line and "--import MODULE" in line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    done = cli("export", "--import", "torchao", step, str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = torch.load(next((tmp_path / "out").glob("*.pt")), weights_only=True)
+    assert any(isinstance(v, Int8Tensor) for v in exported.values()), exported.keys()
+    missing = cli("export", "--import", "no_such_module_here", step, str(tmp_path / "out2"))
+    assert missing.returncode == 2 and "--import no_such_module_here: No module named" in missing.stderr

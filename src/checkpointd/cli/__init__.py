@@ -18,6 +18,7 @@ never a traceback (but for a bug in checkpointd itself).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from checkpointd.cli.exits import (EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EX
 from checkpointd.cli.output import Output, OutputClosed, Progress, err, one_line, silence_stdout
 from checkpointd.cli.parser import build_parser, parse_storage_options
 from checkpointd.cli.stores import RetryReporter
-from checkpointd.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from checkpointd.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnacceptedSubclassError
 
 __all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PIPE_CLOSED", "EXIT_UNREACHABLE",
            "EXIT_USAGE", "Progress", "RetryReporter", "build_parser", "main", "parse_storage_options"]
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _library_warnings_on_stderr(), contextlib.redirect_stdout(Output(sys.stdout)):
             args.storage_options = parse_storage_options(args.storage_option)
+            _import(getattr(args, "imports", []))
             return int(args.run(args))
     except KeyboardInterrupt:
         err("interrupted")
@@ -58,6 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if code is None:
             raise
         return code
+
+
+def _import(modules: Sequence[str]) -> None:
+    """``--import``: the modules whose tensor subclasses the command may rebuild (see ``checkpointd.load``)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise Usage(f"--import {name}: {one_line(exc, with_type=False)}") from exc
 
 
 @contextlib.contextmanager
@@ -91,6 +102,9 @@ def _failure(exc: BaseException, reporter: RetryReporter) -> int | None:
     if isinstance(exc, (Usage, ConfigError, CheckpointNotFoundError)):
         err(f"error: {one_line(exc, with_type=False, limit=None)}")
         return EXIT_USAGE
+    if isinstance(exc, UnacceptedSubclassError):  # the library says what to import: here, with --import
+        err(f"error: {one_line(exc, limit=None)} (on the command line: --import MODULE)")
+        return EXIT_FAILED
     if isinstance(exc, CheckpointError):
         err(f"error: {one_line(exc, limit=None)}")
         return EXIT_FAILED

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="retry storage calls that fail with transient errors (connection refused, timeouts, "
                              f"throttling) for this many seconds, then exit {EXIT_UNREACHABLE} "
                              f"(default {DEFAULT_RETRY_TIMEOUT_SECS:g})")
+    common.add_argument("--import", action="append", default=[], dest="imports", metavar="MODULE",
+                        help="import MODULE first (repeatable): a checkpoint holding its tensor subclasses (e.g. "
+                             "torchao's quantized tensors and optimizer states) is then read; checkpointd never "
+                             "imports what a checkpoint names")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 

@@ -20,6 +20,7 @@ from checkpointd.codecs.compress import get_codec
 from checkpointd.format import layout
 from checkpointd.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from checkpointd.export.result import ExportedFile
+from checkpointd.format.subclasses import check_described, check_sharded_described
 from checkpointd.restore.checkpoint_file import CheckpointFile
 from checkpointd.restore.step import read_verified
 from checkpointd.storage.store import Store
@@ -42,9 +43,13 @@ def export_native(store: Store, step_dir: str, out: Store, *, overwrite: bool = 
         IncompleteCheckpointError / ManifestError: the step is not committed or its manifest is bad.
         CorruptCheckpointError: a file fails its checksum or cannot be decoded.
         UnsafeCheckpointError: a file's pickle references code; nothing of that file was written.
+        UnacceptedSubclassError: the manifest names a tensor subclass this process has not imported or
+            does not accept; nothing was read.
         ConfigError: a target file exists and ``overwrite`` is False.
     """
     manifest = commit.read_committed_manifest(store, step_dir)
+    check_described(manifest.extra.get("subclasses"), step_dir)  # before any pickle runs: what to import
+    check_sharded_described(manifest.extra.get("sharded"), step_dir)
     targets = {f.path: native_name(f.path) for f in manifest.files}
     if not overwrite:
         existing = [t for t in targets.values() if out.exists(t)]
