@@ -298,15 +298,13 @@ class DistributedRuntime:
             error = exc
         problems = [p for p in self.coord.gather_control(
             None if error is None else (isinstance(error, NOT_VERIFIED), f"rank {self.rank}: {type(error).__name__}: {error}")) if p]
-        if all(unverified for unverified, _ in problems):  # none, or only damage: every rank skips the step alike
-            if problems:
-                raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: "
-                                             + "; ".join(msg for _, msg in problems[:4])) from error
-        elif error is not None and not isinstance(error, NOT_VERIFIED):
-            raise error
-        else:
-            raise CheckpointError(f"{store.display(step_dir)} could not be read on every rank: "
-                                  + "; ".join(msg for _, msg in problems[:4])) from error
+        if problems:
+            listed = "; ".join(msg for _, msg in problems[:4])
+            if all(unverified for unverified, _ in problems):  # only damage: every rank skips the step alike
+                raise CorruptCheckpointError(f"{store.display(step_dir)} does not verify on every rank: {listed}") from error
+            if error is not None and not isinstance(error, NOT_VERIFIED):
+                raise error
+            raise CheckpointError(f"{store.display(step_dir)} could not be read on every rank: {listed}") from error
         assert manifest is not None
         self._load(values, f"step {manifest.step}", sel, manifest.entries)
         if not sel.restores_rng:

@@ -98,13 +98,13 @@ class ShardedSubclassLeaf(ShardedLeaf):
                 class's rule does not allow (or it has no rule).
         """
         same = [b for b in self.record["blocks"] if tuple(b["offsets"]) == tuple(offsets) and tuple(b["shape"]) == tuple(shape)]
-        if same and same[0].get("plain") and type(target) is torch.Tensor:  # stored plain, live plain: this block as it is
+        plain = bool(same) and bool(same[0].get("plain"))  # this block was stored as a plain tensor
+        if plain and type(target) is torch.Tensor:  # stored plain, live plain: this block as it is
             return [(target, self.stored_block(same[0]))]
         if not same:
             self._not_mixed(where)
-        if qualname(type(target)) != self.class_name or not is_stored_subclass(target) or (same and same[0].get("plain")):
-            held = f"a plain tensor for this block, {self.class_name} for others" if same and same[0].get("plain") else \
-                f"{self.class_name} blocks"
+        if plain or qualname(type(target)) != self.class_name or not is_stored_subclass(target):
+            held = f"a plain tensor for this block, {self.class_name} for others" if plain else f"{self.class_name} blocks"
             raise StateMismatchError(f"{where}: the live local tensor is a {qualname(type(target))}, the checkpoint holds "
                                      f"{held}; build the model with the quantization that was saved")
         if target.dtype != self.dtype:

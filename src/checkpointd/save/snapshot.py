@@ -78,12 +78,12 @@ class Snapshotter:
         self.hook_wait_secs = 0.0
         """Seconds the training thread's hooks blocked on the host (host budget: the stall it costs)."""
         self.device_arena = DeviceArena(device_budget_bytes) if device_budget_bytes is not None else None
+        """Device staging's reused GPU buffers (None without a device budget)."""
         self.device_encodes: Callable[[torch.Tensor], bool] | None = None
         """Device staging: which cloned tensors the writer encodes on the device instead of copying them
         to the host (:func:`checkpointd.save.device_encode.encodes_for`), in a save written at full speed
         (a preemption save) where the device budget leaves room for the encoder beside the clone
         (``encode_device.WORK_BYTES``); None: all are copied."""
-        """Device staging's reused GPU buffers (None without a device budget)."""
         self._last_device_copies: PendingCopies | ChunkStream | None = None
         self._arenas: list[StagingArena] = []
         self._max_arenas = max(1, max_arenas)
