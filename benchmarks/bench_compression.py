@@ -8,10 +8,11 @@ never a library dependency).
 
 Methods: ``zstd-1call`` is python-zstandard's single ``compress`` call at level 1 on one thread (what a
 naive implementation does); ``zstd`` and ``zstd-planes`` are our chunked codecs on the shared pool.
-Compression feeds each tensor with its dtype hint, as the serializer does, into a sink that keeps the
-frames (no file I/O). Decompression reads the whole stream back into a preallocated, already touched
-buffer from an in-memory source (``fastload.BufferReader``, zero-copy), as a restore into staged memory
-does. ``--threads N`` runs the codecs on a pool of N threads instead of the shared one (compare 1 and N
+Compression feeds each tensor with its dtype hint, as the serializer does, and each frame is copied into
+place in an already touched buffer, with its CRC-32, on the codec's pool: what the persist process does
+to write a file on tmpfs (``persist_codecs.MappedSink``), without the file. Decompression reads the
+whole stream back into a preallocated, already touched buffer from an in-memory source
+(``fastload.BufferReader``, zero-copy), as a restore into staged memory does. ``--threads N`` runs the codecs on a pool of N threads instead of the shared one (compare 1 and N
 to see how decoding and encoding scale). Each figure is the best of ``--repeat`` runs.
 
 Usage::
@@ -41,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from checkpointd.native import planes as planes_native  # noqa: E402
 from checkpointd.codecs.compress import ZstdCodec, ZstdPlanesCodec, default_executor  # noqa: E402
+from checkpointd.codecs.crc import crc32, crc32_combine  # noqa: E402
 from checkpointd.restore.fastload import BufferReader  # noqa: E402
+from checkpointd.storage.persist_codecs import MappedSink  # noqa: E402
 
 Tensors = list[torch.Tensor]
 
@@ -113,44 +116,36 @@ def byte_views(tensors: Tensors) -> list[memoryview]:
     return [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
 
 
-class _KeepSink:
-    """Keeps written frames (zero-copy) so decoding can read them back; no file I/O is timed."""
-
-    def __init__(self) -> None:
-        self.parts: list[memoryview] = []
-
-    def write(self, data: memoryview) -> int:
-        self.parts.append(data)
-        return data.nbytes
-
-
 def measure_codec(codec: ZstdCodec, tensors: Tensors, repeat: int) -> tuple[float, float, float]:
     """(ratio, compress GB/s, decompress GB/s) of ``codec`` over the tensors as one file."""
     views = byte_views(tensors)
     native_nbytes = sum(v.nbytes for v in views)
-    sink = _KeepSink()
+    placed = np.ones(native_nbytes + native_nbytes // 64 + (1 << 20), dtype=np.uint8)  # touched outside the timing
+    written = [0]
 
     def compress() -> None:
-        sink.parts = []
+        sink = MappedSink(placed.ctypes.data, placed.nbytes, codec.executor, crc32, crc32_combine)
         encoder = codec.encoder(sink)
         for tensor, view in zip(tensors, views):
             encoder.dtype_hint = tensor.dtype
             encoder.write(view)
         encoder.dtype_hint = None
         encoder.close()
+        sink.finish()
+        written[0] = sink.offset
 
     compress_secs = best_secs(compress, repeat)
-    encoded = b"".join(sink.parts)
+    encoded = memoryview(placed)[: written[0]]
     target = bytearray(native_nbytes)
     target[:] = b"\x01" * native_nbytes  # touch the pages once, outside the timing
 
     def decompress() -> None:
-        with codec.open_decoded(BufferReader(memoryview(encoded))) as stream:
+        with codec.open_decoded(BufferReader(encoded)) as stream:
             assert stream.readinto(target) == native_nbytes
 
     decompress_secs = best_secs(decompress, repeat)
     assert target == b"".join(views), f"{codec.name} did not round-trip"
-    return native_nbytes / len(encoded), native_nbytes / compress_secs / 1e9, native_nbytes / decompress_secs / 1e9
+    return native_nbytes / encoded.nbytes, native_nbytes / compress_secs / 1e9, native_nbytes / decompress_secs / 1e9
 
 
 def measure_one_call(tensors: Tensors, repeat: int) -> tuple[float, float, float]:

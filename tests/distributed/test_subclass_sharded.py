@@ -42,9 +42,11 @@ from checkpointd.restore.assemble import sharded_values
 from checkpointd.restore.step import read_step
 from checkpointd.storage.store import Store
 
-from subclasses.pair_tensor import PairTensor
-from subclasses.quantized_models import LoRALinear
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+pytest.importorskip("torchao")
+
+from subclasses.pair_tensor import PairTensor  # noqa: E402
+from subclasses.quantized_models import LoRALinear  # noqa: E402
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 

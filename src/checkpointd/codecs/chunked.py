@@ -1,6 +1,6 @@
 """The chunked encoder shared by the codecs: a write stream cut into chunks, encoded on a pool, written in order.
 
-Standard library, :mod:`checkpointd.codecs.container` and what an encode function imports only (no torch):
+Standard library, NumPy, :mod:`checkpointd.codecs.container` and what an encode function imports only (no torch):
 the persist process (:mod:`checkpointd.storage.persist_process_main`) encodes with it too. A codec gives
 an ``encode(view, hint)`` function returning one chunk's frame as parts, the frames that open the file
 and its seek table's footer magic (:mod:`checkpointd.codecs.compress` documents both codecs).
@@ -14,6 +14,7 @@ from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 from checkpointd.codecs.container import seek_table
+from checkpointd.codecs.frame_buffers import FRAME_BUFFERS
 
 DIRECT_MIN_BYTES = 64 << 10
 """Writes at least this big are chunked zero-copy; smaller ones are copied into a shared chunk."""
@@ -50,6 +51,7 @@ class ChunkedEncoder:
         self.dtype_hint: Any = None
         self.native_nbytes = 0
         """Bytes written into the encoder so far."""
+        self._buffers = FRAME_BUFFERS.open(self)  # frame buffers are reused while this encoder is open
         for frame in preamble:
             self._emit([frame], 0)
 
@@ -98,6 +100,7 @@ class ChunkedEncoder:
             self._drain_one()
         self._closed = True
         write_all(self._out, memoryview(seek_table(self._entries, self._footer_magic)))
+        self._buffers()
 
     def _flush_pending(self) -> None:
         if self._pending:

@@ -163,6 +163,26 @@ def decode_table(lengths: np.ndarray) -> np.ndarray:
 
 def encode(plane: np.ndarray) -> list[Any]:
     """A plane (uint8) as stored bytes: ``[header, lengths and block ends, stream]`` (fresh buffers)."""
+    header, stream = _coded(plane)
+    return [header, stream.copy()]
+
+
+def encode_into(plane: np.ndarray, out: np.ndarray) -> int:
+    """Write ``plane``'s stored bytes (:func:`encode`'s, joined) into ``out`` (uint8) if they are fewer than
+    ``out.nbytes``: how many, or 0 (then nothing is written). ``out`` may overlap ``plane``: the plane
+    is read whole first."""
+    header, stream = _coded(plane)
+    stored = len(header) + stream.nbytes
+    if stored >= out.nbytes:
+        return 0
+    out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    out[len(header) : stored] = stream
+    return stored
+
+
+def _coded(plane: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The header (with lengths and block ends) and the bit stream of ``plane``; the stream is this thread's
+    scratch where the native coder runs: read it before this thread codes another plane."""
     count = plane.size
     lib = planes_native.library()
     counts = planes_native.histogram(lib, plane) if lib is not None else np.bincount(plane, minlength=256)
@@ -172,11 +192,11 @@ def encode(plane: np.ndarray) -> list[Any]:
     ends = np.empty(blocks, dtype=np.uint32)
     if lib is not None:
         stream = scratch("huffman", (count * MAX_BITS + 7) // 8 + 16)
-        stream = stream[: planes_native.huffman_encode(lib, plane, codes, lengths, BLOCK, ends, stream)].copy()
+        stream = stream[: planes_native.huffman_encode(lib, plane, codes, lengths, BLOCK, ends, stream)]
     else:
         stream = encode_stream(plane, codes, lengths, ends)
     packed = (lengths[0::2] | (lengths[1::2] << 4)).astype(np.uint8)
-    return [HEADER.pack(BLOCK, blocks) + packed.tobytes() + ends.astype("<u4").tobytes(), stream]
+    return HEADER.pack(BLOCK, blocks) + packed.tobytes() + ends.astype("<u4").tobytes(), stream
 
 
 def encode_stream(plane: np.ndarray, codes: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -314,4 +334,5 @@ def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: 
 
 
 __all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",
-           "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "encode_stream", "read_plane"]
+           "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "encode_into", "encode_stream",
+           "read_plane"]

@@ -39,8 +39,9 @@ MERGE_BYTES = 4 << 20
 call drops and retakes the GIL, so fewer, bigger calls; 4 MiB still mostly stays in L2/L3."""
 
 
-def to_planes(view: Any, itemsize: int) -> np.ndarray:
-    """(itemsize, n) planes of the rotated elements in ``view`` (whole elements only).
+def to_planes(view: Any, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """(itemsize, n) planes of the rotated elements in ``view`` (whole elements only), into ``out`` (uint8,
+    that shape, rows contiguous) or a fresh array.
 
     Plane ``j`` is byte ``j`` of each element rotated left by one bit, computed without materializing
     the rotation or transposing bytes: for ``j >= 1`` it is ``x >> (8j - 1)`` truncated to a byte (one
@@ -49,7 +50,7 @@ def to_planes(view: Any, itemsize: int) -> np.ndarray:
     copies of a transpose. (NumPy's ``uint8`` left shift is scalar code; multiplying by 2 is not.)
     """
     count = memoryview(view).nbytes // itemsize
-    planes = np.empty((itemsize, count), dtype=np.uint8)
+    planes = np.empty((itemsize, count), dtype=np.uint8) if out is None else out
     lib = planes_native.library()
     if lib is not None and count:
         planes_native.split_planes(lib, view, itemsize, count, planes)

@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 3
+ABI = 4
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -111,12 +111,10 @@ def code_lengths(lib: Any, counts: np.ndarray, max_bits: int) -> np.ndarray:
 
 def huffman_encode(lib: Any, plane: np.ndarray, codes: np.ndarray, lengths: np.ndarray, block: int,
                    ends: np.ndarray, out: np.ndarray) -> int:
-    """Bit stream of ``plane`` into ``out``, block ends into ``ends`` (uint32); its bytes, or -1 past ``out``."""
-    got = lib.cpd_huffman_encode(address(plane), plane.size, codes.ctypes.data, lengths.ctypes.data, block,
-                                 ends.ctypes.data, out.ctypes.data, out.nbytes)
-    if got == -2:
-        raise ValueError("a symbol of the plane has no code")
-    return int(got)
+    """Bit stream of ``plane`` into ``out``, block ends into ``ends`` (uint32); its bytes, or -1 past ``out``.
+    Every byte value in ``plane`` must have a code (``lengths`` made from its histogram)."""
+    return int(lib.cpd_huffman_encode(address(plane), plane.size, codes.ctypes.data, lengths.ctypes.data, block,
+                                      ends.ctypes.data, out.ctypes.data, out.nbytes))
 
 
 def huffman_blocks(lib: Any, src: Any, dst: np.ndarray, blocks: np.ndarray, tables: np.ndarray) -> int:
