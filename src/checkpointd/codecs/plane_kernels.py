@@ -2,9 +2,10 @@
 
 Each pass runs in :mod:`checkpointd.native.planes` (C, one pass over cache-sized blocks, built on first
 use) wherever that library loads, and in the NumPy kernels here otherwise; both produce the same bytes.
-On an H200 host (16 threads, 256 MB inputs) the native kernels decompress bf16 at 14.0-14.5 GB/s
-against 7.1 for NumPy, fp32 at 17.7-18.2 against 8.4-9.0, AdamW moments at 12.3-13.2 against 7.0, and
-compress at 6.2-8.9 against 4.5-5.4.
+With the Huffman coder beside them (:mod:`checkpointd.codecs.huffman`, native too), a 2-core VM runs
+``zstd-planes`` at 1.4-2.8 GB/s compress and 1.2-3.5 GB/s decompress natively, against 0.05-0.14 and
+0.01-0.04 GB/s in NumPy (``bench_compression.py --mb 32``, ``CHECKPOINTD_NATIVE=0`` for NumPy): the
+NumPy path keeps files readable where nothing could be compiled, not fast.
 
 Why the NumPy kernels are few, big calls: each call drops and retakes the GIL, and with 16 codec
 threads every retake waits for a hand-off (futex wake-ups, tens of microseconds), so on a 16-core host
