@@ -4,13 +4,15 @@ all save, list, restore and ``load`` the same way."""
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 import fsspec
 import pytest
 import torch
 
-from checkpointd import CheckpointManager, load
+from checkpointd import CheckpointManager, load, options
+from checkpointd.native import planes as planes_native
 
 
 def _state(seed: int):
@@ -86,6 +88,29 @@ def test_the_default_compression_is_none_on_local_roots_and_planes_on_remote_one
     with fsspec.open(f"{root}/step-000000001/manifest.json", "rb") as f:
         names = [entry["path"] for entry in json.loads(f.read())["files"]]
     assert names and all(n.endswith(".zst") for n in names) == (codec == "zstd-planes")
+
+
+def test_auto_takes_plain_zstd_on_remote_roots_without_the_native_plane_kernels(monkeypatch, caplog):
+    """The NumPy plane coder is far slower than plain zstd: without the native kernels a remote root gets
+    ``"zstd"``, and the log says why; local roots stay native."""
+    monkeypatch.setenv(options.NATIVE_ENV, "0")
+    planes_native.reset()
+    try:
+        root = f"memory://checkpointd-tests/{uuid.uuid4().hex}"
+        with caplog.at_level(logging.WARNING, logger="checkpointd"):
+            with CheckpointManager(root, _state(1)) as mgr:
+                mgr.save(1)
+                assert mgr.stats()["codec"] == "zstd"
+        assert "writes 'zstd'" in caplog.text and options.NATIVE_ENV in caplog.text
+        state = _state(0)
+        with CheckpointManager(root, state) as mgr:
+            assert mgr.restore_latest() == 1
+        expected = _state(1)
+        assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                     expected["model"].state_dict().values()))
+        assert state["counters"] == {"seen": 1} and torch.equal(state["t"], expected["t"])
+    finally:
+        planes_native.reset()
 
 
 def test_two_tiers_commit_native_files_locally_by_default(tmp_path):

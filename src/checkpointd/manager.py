@@ -75,8 +75,8 @@ class CheckpointManager:
             state_dict()/load_state_dict() | tensor | dict/list of plain data.
         every_n_steps / every_n_seconds / at_steps: when ``maybe_save`` saves.
         keep_last / keep_every_n_steps / keep_best / best_metric / best_mode: retention.
-        compression: ``"auto"`` (native files on local roots, ``"zstd-planes"`` on object stores and
-            other remote roots: see :func:`checkpointd.manager_setup.choose_codec`), None, or a codec name
+        compression: ``"auto"`` (native files on local roots, ``"zstd-planes"`` on remote ones: see
+            :func:`checkpointd.manager_setup.choose_codec`), None, or a codec name
             (``"zstd"``, ``"zstd-planes"``).
         mode: "full" or "sharded" (matters only under torch.distributed).
         storage_options: passed to fsspec.
