@@ -308,29 +308,36 @@ def decode_into(stored: Any, out: np.ndarray) -> None:
 
 
 def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: np.ndarray) -> int:
-    """The NumPy decoder: all blocks a symbol at a time (bytes past a block's last read as zeros)."""
-    pos, stop, at, meta = (blocks[:, i].copy() for i in range(4))
+    """The NumPy decoder: every block a symbol at a time, side by side (a dozen array operations a step).
+
+    A step reads 11 bits at each block's position, whatever lies there. That cannot change a valid
+    block's symbols or any block's verdict: a code that ends within the block is the same whatever follows
+    (no code is a prefix of another), and one that does not end within it leaves the block's position past
+    its end, which the final check finds, as it finds a pattern that starts no code (length 0).
+    """
+    order = np.argsort(-(blocks[:, 3] & 0xFFFFFFFF), kind="stable")  # the longest blocks first
+    pos, stop, at, meta = (blocks[order, i].copy() for i in range(4))
     table, count = (meta >> 32) << MAX_BITS, meta & 0xFFFFFFFF
-    last = (stop + 7) >> 3
     padded = np.zeros(src.size + 3, dtype=np.int64)
     padded[: src.size] = src
-    wrong = pos > stop
-    for i in range(int(count.max()) if count.size else 0):
-        live = np.flatnonzero((count > i) & ~wrong)
-        p = pos[live]
-        byte = p >> 3
-        window = np.zeros_like(p)
-        for j in range(3):
-            window |= np.where(byte + j < last[live], padded[np.minimum(byte + j, src.size)], 0) << (8 * j)
-        entry = tables[table[live] + ((window >> (p & 7)) & ((1 << MAX_BITS) - 1))].astype(np.int64)
-        length = entry >> 8
-        bad = (length == 0) | (p + length > stop[live])
-        wrong[live[bad]] = True
-        ok = live[~bad]
-        dst[at[ok] + i] = entry[~bad] & 255
-        pos[ok] += length[~bad]
-    wrong |= pos != stop
-    return int(np.argmax(wrong)) + 1 if wrong.any() else 0
+    words = padded[:-2] | padded[1:-1] << 8 | padded[2:] << 16  # the 24 bits from each byte on
+    last_word = words.size - 1
+    flat = tables.reshape(-1)
+    good = np.ones(pos.size, dtype=np.bool_)
+    done = 0
+    for symbols in np.unique(count).tolist():  # the blocks still decoding decode symbols [done, symbols)
+        n = int(np.count_nonzero(count >= symbols))
+        p, first, codes, ok = pos[:n], at[:n], table[:n], good[:n]
+        for i in range(done, symbols):
+            window = (words[np.minimum(p >> 3, last_word)] >> (p & 7)) & ((1 << MAX_BITS) - 1)
+            entry = flat[codes + window]
+            length = entry >> 8
+            dst[first + i] = entry.astype(np.uint8)
+            ok &= length != 0
+            p += length
+        done = symbols
+    good &= pos == stop
+    return int(order[~good].min()) + 1 if not good.all() else 0
 
 
 __all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",

@@ -3,8 +3,8 @@
 Each pass runs in :mod:`checkpointd.native.planes` (C, one pass over cache-sized blocks, built on first
 use) wherever that library loads, and in the NumPy kernels here otherwise; both produce the same bytes.
 With the Huffman coder beside them (:mod:`checkpointd.codecs.huffman`, native too), a 2-core VM runs
-``zstd-planes`` at 1.4-2.8 GB/s compress and 1.2-3.5 GB/s decompress natively, against 0.05-0.14 and
-0.01-0.04 GB/s in NumPy (``bench_compression.py --mb 32``, native code off for NumPy): the
+``zstd-planes`` at 1.4-2.8 GB/s compress and 1.2-3.5 GB/s decompress natively, against 0.04-0.14 and
+0.02-0.09 GB/s in NumPy (``bench_compression.py --mb 32``, native code off for NumPy): the
 NumPy path keeps files readable where nothing could be compiled, not fast.
 
 Why the NumPy kernels are few, big calls: each call drops and retakes the GIL, and with 16 codec
