@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from checkpointd.codecs import chunked
 from checkpointd.codecs import planes as codecs_planes
 from checkpointd.codecs.compress import ZstdPlanesCodec, decode_bytes
-from checkpointd.codecs.frame_buffers import FRAME_BUFFERS, MIN_BYTES, FrameBuffers
+from checkpointd.codecs.frame_buffers import MIN_BYTES, FrameBuffers
 
 
 def test_a_buffer_comes_back_only_when_its_views_are_gone_and_only_while_an_encoder_is_open() -> None:
@@ -96,28 +97,28 @@ class _KeepingSink:
 
 
 @pytest.mark.parametrize("keep_views", [False, True])
-def test_a_file_encoded_in_reused_buffers_decodes_bit_exact(keep_views: bool) -> None:
+def test_a_file_encoded_in_reused_buffers_decodes_bit_exact(keep_views: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many chunks on 4 threads with few in flight: buffers are reused while the file is encoded (a sink
     that copies at once), and never while a sink still holds a frame (one that keeps the views)."""
+    pool = FrameBuffers()  # this test's own: encoders that other tests left open do not count here
+    monkeypatch.setattr(chunked, "FRAME_BUFFERS", pool)
+    monkeypatch.setattr(codecs_planes, "FRAME_BUFFERS", pool)
     native = b"".join(_bf16_like(1 << 20, seed).tobytes() for seed in range(6))  # 24 MiB, 12 chunks
     codec = ZstdPlanesCodec(chunk_bytes=2 << 20, executor=ThreadPoolExecutor(4), max_inflight=2)
     out = _KeepingSink() if keep_views else io.BytesIO()
     taken: list[int] = []
-    take = FRAME_BUFFERS.take
+    take = pool.take
 
     def counting_take(nbytes: int) -> np.ndarray:
         buf = take(nbytes)
         taken.append(buf.ctypes.data)
         return buf
 
-    FRAME_BUFFERS.take = counting_take  # type: ignore[method-assign]
-    try:
-        encoder = codec.encoder(out)
-        encoder.dtype_hint = torch.float32
-        encoder.write(memoryview(native))
-        encoder.close()
-    finally:
-        del FRAME_BUFFERS.take
+    monkeypatch.setattr(pool, "take", counting_take)
+    encoder = codec.encoder(out)
+    encoder.dtype_hint = torch.float32
+    encoder.write(memoryview(native))
+    encoder.close()
     stored = b"".join(bytes(v) for v in out.views) if keep_views else out.getvalue()
     assert decode_bytes("zstd-planes", stored) == native
     assert len(taken) == 12
@@ -127,4 +128,4 @@ def test_a_file_encoded_in_reused_buffers_decodes_bit_exact(keep_views: bool) ->
         assert len(set(taken)) < 12  # buffers were handed out again
     del out, encoder
     gc.collect()
-    assert FRAME_BUFFERS.waiting() == 0  # no encoder open: none kept
+    assert pool.waiting() == 0  # the encoder closed: none kept
