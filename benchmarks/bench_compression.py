@@ -12,8 +12,9 @@ Compression feeds each tensor with its dtype hint, as the serializer does, and e
 place in an already touched buffer, with its CRC-32, on the codec's pool: what the persist process does
 to write a file on tmpfs (``persist_codecs.MappedSink``), without the file. Decompression reads the
 whole stream back into a preallocated, already touched buffer from an in-memory source
-(``fastload.BufferReader``, zero-copy), as a restore into staged memory does. ``--threads N`` runs the codecs on a pool of N threads instead of the shared one (compare 1 and N
-to see how decoding and encoding scale). Each figure is the best of ``--repeat`` runs.
+(``fastload.BufferReader``, zero-copy), as a restore into staged memory does. ``--threads N`` runs the
+codecs on a pool of N threads instead of the shared one (compare 1 and N to see how decoding and
+encoding scale). Each figure is the best of ``--repeat`` runs.
 
 Usage::
 
