@@ -217,7 +217,7 @@ def test_a_failing_device_checksum_falls_back_to_the_host(saved, on_device, monk
     def broken(*a, **k):
         raise RuntimeError("kernel failed (test)")
 
-    monkeypatch.setattr(device_crc, "crc32_of", broken)
+    monkeypatch.setattr(device_crc, "crc32_start", broken)
     model, opt = _trained()
     _scramble(model, opt)
     before = dict(device_image.stats)

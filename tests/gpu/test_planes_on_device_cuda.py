@@ -16,7 +16,8 @@ from checkpointd import CheckpointManager
 from checkpointd.codecs.compress import decode_bytes
 from checkpointd.codecs.planes_device import decode_on_device
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.restore import device_image, fastload
+from checkpointd.restore import device_decode, device_image, fastload
+from checkpointd.restore import step as restore_step
 
 from planes_files import planes_file
 from test_restore_cuda import _assert_same, _model, _scramble
@@ -77,6 +78,33 @@ def test_a_planes_restore_is_decoded_on_the_device_exactly_and_in_place(saved, o
     for p in model.parameters():
         for key, t in held[id(p)].items():  # (torch keeps a CPU step as stored: only the moments are in place)
             assert key == "step" or opt.state[p][key] is t, f"{key} was replaced, not written in place"
+
+
+def test_the_device_decodes_on_a_stream_of_its_own_before_the_checksum_is_read(saved, on_device, monkeypatch) -> None:
+    root, (ref_model, ref_opt) = saved
+    model, opt = _fresh_like(ref_model)
+    streams, real_decode, real_check = [], device_decode.decode_on_device, restore_step.check_file
+    order = []
+
+    def spied_decode(*args, **kwargs):
+        streams.append(torch.cuda.current_stream())
+        order.append("decode")
+        return real_decode(*args, **kwargs)
+
+    def spied_check(*args):
+        order.append("checksum")
+        return real_check(*args)
+
+    monkeypatch.setattr(device_decode, "decode_on_device", spied_decode)
+    monkeypatch.setattr(restore_step, "check_file", spied_check)
+    before = dict(device_image.stats)
+    with CheckpointManager(str(root), {"model": model, "optim": opt}, compression="zstd-planes") as mgr:
+        assert mgr.restore_latest() == 1
+    got = {k: device_image.stats[k] - before[k] for k in before}
+    assert got["decoded"] == len(streams) >= 1 and got["failed"] == 0
+    assert all(s != torch.cuda.default_stream() for s in streams)  # the checksum's readback does not wait for it
+    assert order.index("decode") < order.index("checksum")
+    _assert_same(ref_model, ref_opt, model, opt)
 
 
 def test_a_fresh_optimizer_restores_from_a_device_decoded_file(saved, on_device) -> None:

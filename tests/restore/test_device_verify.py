@@ -36,7 +36,7 @@ def test_crc_by_lanes_and_a_tree_equals_zlib(n) -> None:
 
 def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
     """What ``device_crc.KERNEL_SOURCE``'s two kernels compute, step for step, from the very tables
-    ``_raw_cuda`` hands them: the lanes' slice-by-4 loop, then one combining pass per level."""
+    ``_raw_cuda_rows`` hands them: the lanes' slice-by-4 loop, then one combining pass per level."""
     levels = (lanes - 1).bit_length()
     slice_tab, combine_tab = device_crc._tables_int32(levels, CPU)
     assert slice_tab.dtype == combine_tab.dtype == torch.int32 and slice_tab.shape == (1024,)
@@ -58,7 +58,8 @@ def _kernels_in_numpy(body: torch.Tensor, lanes: int) -> int:
 @pytest.mark.parametrize("lanes", [1, 2, 3, 5, 8, 13])
 def test_the_cuda_kernels_arithmetic_and_tables_equal_zlib(monkeypatch, lanes) -> None:
     """The CUDA path's table layout and combining levels, run in numpy (the kernels themselves: tests/gpu)."""
-    monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)
+    monkeypatch.setattr(device_crc, "_raw_cuda_rows",
+                        lambda bodies: [torch.tensor(_kernels_in_numpy(b, n), dtype=torch.int64) for b, n in bodies])
     data = np.random.default_rng(lanes).integers(0, 256, lanes * 4096 + 77, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
 
@@ -203,7 +204,7 @@ def test_a_failure_on_the_device_leaves_the_file_to_the_host(tmp_path, mapped, m
     def broken(*a, **k):
         raise RuntimeError("kernel failed (test)")
 
-    monkeypatch.setattr(device_crc, "crc32_of", broken)
+    monkeypatch.setattr(device_crc, "crc32_start", broken)
     before = dict(device_image.stats)
     with device_image.verifying_on(CPU):
         contents = restore.read_step(store, step_dir, manifest)  # checksummed on the host instead
@@ -279,7 +280,8 @@ def test_every_file_size_slices_the_same_combining_tables(monkeypatch, levels_bu
         assert combine.shape == (levels, 1024)
         want = device_crc._level_tables(levels).reshape(levels, 1024).view(np.int32)
         assert np.array_equal(combine.numpy(), want)
-    monkeypatch.setattr(device_crc, "_raw_cuda", _kernels_in_numpy)  # the CUDA path's use of the tables
+    monkeypatch.setattr(device_crc, "_raw_cuda_rows",
+                        lambda bodies: [torch.tensor(_kernels_in_numpy(b, n), dtype=torch.int64) for b, n in bodies])  # the CUDA path's use of the tables
     data = np.random.default_rng(5).integers(0, 256, 19 * device_crc.LANE_BYTES + 7, dtype=np.uint8)
     assert device_crc.crc32_of(torch.from_numpy(data), use_kernel=True) == zlib.crc32(data.tobytes())
 

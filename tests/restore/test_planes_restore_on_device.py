@@ -20,7 +20,7 @@ from checkpointd import CheckpointManager
 from checkpointd.codecs import huffman, planes_device
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.restore import apply, bulkcopy, device_image, fastload
+from checkpointd.restore import apply, bulkcopy, device_decode, device_image, fastload
 from checkpointd.restore import step as restore
 from checkpointd.testing import tamper
 
@@ -35,7 +35,7 @@ def on_cpu_device(monkeypatch):
     monkeypatch.setenv("CHECKPOINTD_RESTORE_VERIFY", "device")
     monkeypatch.setattr(device_image, "MIN_BYTES", 1)
     monkeypatch.setattr(device_image, "target_device", lambda objs: CPU)
-    real = device_image.decode_on_device
+    real = device_decode.decode_on_device
 
     def poisoned(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -43,7 +43,7 @@ def on_cpu_device(monkeypatch):
             out.host[lo:hi] = POISON
         return out
 
-    monkeypatch.setattr(device_image, "decode_on_device", poisoned)
+    monkeypatch.setattr(device_decode, "decode_on_device", poisoned)
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_a_device_failure_decodes_on_the_host(tmp_path, on_cpu_device, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("device decode failed (test)")
 
-    monkeypatch.setattr(device_image, "decode_on_device", broken)
+    monkeypatch.setattr(device_decode, "decode_on_device", broken)
     got = _restore(tmp_path, objects)
     assert got["decoded"] == 0 and got["failed"] >= 1
     _assert_equal(expected, objects)
@@ -286,7 +286,7 @@ def test_the_host_part_is_made_beside_the_upload_and_counts_only_after_the_check
     objects = {"model": model, "optim": opt}
     expected = _saved(tmp_path, objects)
     threads, given = [], []
-    real_prepare, real_decode = device_image.prepare, device_image.decode_on_device
+    real_prepare, real_decode = device_decode.prepare, device_decode.decode_on_device
 
     def spied_prepare(*args, **kwargs):
         threads.append(threading.current_thread().name)
@@ -296,8 +296,8 @@ def test_the_host_part_is_made_beside_the_upload_and_counts_only_after_the_check
         given.append(kwargs.get("prepared"))
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(device_image, "prepare", spied_prepare)
-    monkeypatch.setattr(device_image, "decode_on_device", spied_decode)
+    monkeypatch.setattr(device_decode, "prepare", spied_prepare)
+    monkeypatch.setattr(device_decode, "decode_on_device", spied_decode)
     _scramble(objects)
     _restore(tmp_path, objects)
     _assert_equal(expected, objects)
@@ -320,4 +320,54 @@ def test_the_host_part_is_made_beside_the_upload_and_counts_only_after_the_check
         with pytest.raises(CorruptCheckpointError, match=wanted):
             mgr.restore(1)
     assert threads, "the damaged file's host part was not made beside its upload"
+    assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))
+
+
+@pytest.mark.parametrize("manifest", ["agrees", "disagrees"])
+def test_the_device_decodes_before_the_checksum_is_compared_and_counts_only_after(tmp_path, on_cpu_device,
+                                                                                  bulk_on_cpu, monkeypatch,
+                                                                                  manifest) -> None:
+    model, opt = _trained(7)
+    objects = {"model": model, "optim": opt}
+    expected = _saved(tmp_path, objects)
+    events = []
+    real_check, real_decode = restore.check_file, device_decode.decode_on_device
+
+    def spied_check(where, entry, *args):
+        events.append(("checksum", entry.path))
+        return real_check(where, entry, *args)
+
+    def spied_decode(stored, *args, **kwargs):
+        events.append(("decode", stored.nbytes))
+        return real_decode(stored, *args, **kwargs)
+
+    monkeypatch.setattr(restore, "check_file", spied_check)
+    monkeypatch.setattr(device_decode, "decode_on_device", spied_decode)
+    _scramble(objects)
+    got = _restore(tmp_path, objects)
+    _assert_equal(expected, objects)
+    step_dir = tmp_path / "step-000000001"
+    planes_files = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name.endswith(".zst")}
+    assert len(planes_files) == 2 and got["decoded"] == 2
+    for name, size in planes_files.items():  # decoded once, before its checksum was compared
+        assert events.count(("decode", size)) == 1
+        assert events.index(("decode", size)) < events.index(("checksum", name))
+
+    # a file the device started decoding that then fails its checksum: the checksum's error, nothing applied
+    victim = _biggest(step_dir)
+    data = bytearray(victim.read_bytes())
+    broken = _block_end_moved(bytes(data))
+    if manifest == "agrees":
+        _forge(step_dir, victim, broken)
+        wanted = "does not decode to its symbols"  # the device's verdict, taken once the checksum matched
+    else:
+        victim.write_bytes(broken)
+        wanted = "fails its checksum"  # what the device found is not reported: the bytes were not the file's
+    events.clear()
+    _scramble(objects)
+    live = _snapshot(model)
+    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
+        with pytest.raises(CorruptCheckpointError, match=wanted):
+            mgr.restore(1)
+    assert ("decode", len(broken)) in events
     assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -193,11 +193,6 @@ def _tables_int32_built(levels: int, device: torch.device) -> tuple[torch.Tensor
             torch.from_numpy(_level_tables(levels).reshape(levels, 1024).view(np.int32).copy()).to(device))
 
 
-def _raw_cuda(body: torch.Tensor, lanes: int) -> int:
-    """The zero-started CRC of ``body`` (``lanes`` whole lanes, 16-byte aligned) by the CUDA kernels."""
-    return int(_raw_cuda_rows([(body, lanes)])[0].item()) & 0xFFFFFFFF
-
-
 def _raw_cuda_rows(bodies: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The zero-started CRCs (int32 on the device, not waited for) of ``bodies``: ``(buffer, lanes)``
     pairs of at least one whole lane each, 16-byte aligned. One lane launch per buffer into rows of one
@@ -260,11 +255,19 @@ def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None =
     passes them from the mapped file; else they are copied back). ``use_kernel``: the CUDA kernels
     (default: on a CUDA device with a 16-byte aligned buffer), else torch ops (~20x slower).
     """
+    return crc32_start(buf, host_tail, use_kernel)()
+
+
+def crc32_start(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None = None) -> Callable[[], int]:
+    """:func:`crc32_of` in two halves: the device's work is queued on the current stream now, and the
+    call returned waits for it and gives the CRC. Work queued on other streams in between does not
+    delay the result (a restore queues a file's decoding there, :mod:`checkpointd.restore.device_image`)."""
     if buf.dim() != 1 or buf.dtype != torch.uint8:
         raise ValueError(f"crc32_of expects a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
     n = buf.numel()
     lanes = n // LANE_BYTES
     body = lanes * LANE_BYTES
+    row: torch.Tensor | None = None  # the body's zero-started CRC, on the device, not waited for
     raw = 0
     if lanes:
         if buf.data_ptr() % 4:
@@ -272,13 +275,17 @@ def crc32_of(buf: torch.Tensor, host_tail: Any = None, use_kernel: bool | None =
         if use_kernel is None:
             use_kernel = buf.device.type == "cuda" and buf.data_ptr() % 16 == 0
         if use_kernel:
-            raw = _raw_cuda(buf[:body], lanes)
+            row = _raw_cuda_rows([(buf[:body], lanes)])[0]
         else:
             raw = _raw_torch(buf[:body].view(torch.int32).view(lanes, LANE_BYTES // 4), lanes)
     tail = host_tail if host_tail is not None else buf[body:].cpu().numpy().tobytes()
     if len(tail) != n - body:
         raise ValueError(f"host_tail has {len(tail)} bytes, expected {n - body}")
-    return _finish(raw, body, tail)
+
+    def result() -> int:
+        return _finish(int(row.item()) & 0xFFFFFFFF if row is not None else raw, body, tail)
+
+    return result
 
 
 def crc32_many(bufs: list[torch.Tensor]) -> list[int]:
@@ -314,4 +321,4 @@ def tail_start(nbytes: int) -> int:
     return nbytes // LANE_BYTES * LANE_BYTES
 
 
-__all__ = ["KERNEL_SOURCE", "LANE_BYTES", "crc32_many", "crc32_of", "kernel_available", "tail_start"]
+__all__ = ["KERNEL_SOURCE", "LANE_BYTES", "crc32_many", "crc32_of", "crc32_start", "kernel_available", "tail_start"]

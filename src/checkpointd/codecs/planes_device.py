@@ -2,7 +2,7 @@
 
 Why: decoding a planes file on the host ends in the byte-plane merge, a pass over every native byte,
 and then the merged bytes still cross to the GPU. Here the stored file is already on the device (the
-restore uploaded it there to checksum it, :mod:`checkpointd.restore.device_image`), so its planes never
+restore uploaded it there to checksum it, :mod:`checkpointd.restore.device_decode`), so its planes never
 leave it. The host checks every chunk's layout and every Huffman plane's header, lengths and block
 ends, decodes the chunks that are not planes (zip headers, pickles, integer tensors) and uploads those
 few bytes in one queued copy; on the device the Huffman blocks are decoded
@@ -11,10 +11,9 @@ each chunk's planes and writes its elements, rotated back. Planes of earlier rel
 zstd frames) are decoded on the host and merged with torch operations, group by group.
 
 Nothing here waits for the device until :meth:`OnDevice.check`: a restore parses the file's host bytes
-meanwhile. The host's part (:func:`prepare`) reads only the stored bytes, so a restore makes it while
-the file is still being uploaded and checksummed. Measured on an H200 host (4.83 GB reference state,
-two files, tmpfs): a restore of the planes checkpoint took 0.168-0.186 s at best (medians 0.179-0.208)
-against 0.149-0.178 (0.161-0.195) uncompressed, in the same runs.
+meanwhile. Both parts (:func:`prepare` on the host, :func:`decode_on_device`) read only the stored
+bytes, so a restore begins them before the file's checksum is known and uses what they give only once
+it matched (:mod:`checkpointd.restore.device_decode`).
 
 nvCOMP or any other device entropy decoder is not used: checkpoint bytes are untrusted, and nvCOMP's
 zstd and deflate decoders are documented to take valid input only. Every index and size is checked on
@@ -72,13 +71,19 @@ class OnDevice:
     """Native byte ranges ``[start, stop)`` whose host bytes were not written (merged on the device only)."""
     bad: torch.Tensor | None = None
     """The device's damage flag, not read yet (:meth:`check`)."""
+    done: torch.cuda.Event | None = None
+    """Recorded after the decoding's last kernel, on the stream it was queued on (a CUDA device)."""
 
     def check(self) -> None:
-        """Wait for the device's decoding; raise if it found the file damaged. Call before reading ``data``.
+        """Wait for the device's decoding; raise if it found the file damaged. Call before reading ``data``
+        (on any stream: the decoding has finished on return).
 
         Raises:
             CorruptCheckpointError: a Huffman plane that does not decode, a nibble plane whose escapes differ.
         """
+        done, self.done = self.done, None
+        if done is not None:
+            done.synchronize()
         bad, self.bad = self.bad, None
         if bad is not None and bool(bad.item()):
             raise CorruptCheckpointError("a Huffman plane of the 'zstd-planes' file does not decode to its symbols, "
@@ -129,7 +134,7 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
     """The host's part of decoding the ``zstd-planes`` file ``stored`` onto ``device``: every chunk's
     layout checked, the chunks that are not planes (and planes the device does not decode) decoded on
     the host, the bytes to upload gathered. It reads only ``stored``, so a restore runs it while the
-    file's upload and checksum are still under way (:func:`checkpointd.restore.device_image.verify`);
+    file's upload and checksum are still under way (:mod:`checkpointd.restore.device_decode`);
     its result is used only once the file matched its checksum. ``executor`` runs the host decoding,
     one chunk per task; ``check_chunks`` as in :func:`decode_on_device`.
 
@@ -209,6 +214,9 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
         _tails(group, stored_data, data)
     merge_device.merge(data, sources, fused)
     out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
+    if device.type == "cuda":
+        out.done = torch.cuda.Event()
+        out.done.record(torch.cuda.current_stream(device))
     if wait:
         out.check()
     return out

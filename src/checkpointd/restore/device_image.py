@@ -24,16 +24,11 @@ on the host: the bytes restored are the same either way, and a copy whose stored
 every image (a dtype cast, a CPU tensor) takes the host path from the mapping.
 
 A local ``zstd-planes`` file read by a restore is uploaded and checksummed the same way, then decoded
-on the device (:func:`decode_planes`, :mod:`checkpointd.codecs.planes_device`): its registered image is
-the native file on the device, while the host buffer the unpickler builds tensors on holds only the
-bytes the host decoded (zip headers, pickles, chunks that are not planes). Every reader of stored values
-on the host (a copy that is not a device-to-device byte copy, the per-entry path, an optimizer's
-``load_state_dict``, the RNG state, a retry without images) calls :func:`ensure_host` first, which
-copies the missing bytes of those tensors back from the device; a loaded tree it cannot follow (a
-tensor subclass, an object) gets its whole host copy at once.
-
-Measured on H200 hosts (4.83 GB, tmpfs): a restore takes 177 ms at best (median 184) against 182 (199)
-checksummed on the host, and a resumed job's restore (a fresh process) 251-276 ms against 268-420.
+on the device (:mod:`checkpointd.restore.device_decode`); its image's host holds only the bytes the
+host decoded. Every reader of stored values on the host (a copy that is not a device-to-device byte
+copy, the per-entry path, an optimizer's ``load_state_dict``, the RNG state, a retry without images)
+calls :func:`ensure_host` first, which copies the missing bytes of those tensors back from the device;
+a loaded tree it cannot follow (a tensor subclass, an object) gets its whole host copy at once.
 """
 
 from __future__ import annotations
@@ -41,20 +36,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from checkpointd import options
-from checkpointd.codecs.compress import default_executor
-from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
-from checkpointd.codecs.planes_device import Prepared, decode_on_device, prepare
-from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format.streams import byte_view
 from checkpointd.codecs import device_crc
-from checkpointd.restore.bounce import bounced_h2d, upload_bytes
+from checkpointd.format.streams import byte_view
+from checkpointd.restore.bounce import upload_bytes
 
 logger = logging.getLogger("checkpointd")
 
@@ -76,6 +66,17 @@ def mode() -> str:
     return options.restore_verify_on()
 
 
+class Decoding(Protocol):
+    """A file's decoding on the device, begun by :func:`verify` before the file's checksum is known
+    (:class:`checkpointd.restore.device_decode.PlanesDecoding`)."""
+
+    def start(self, device: torch.device) -> None:
+        """Called once the image is allocated on ``device``, before the upload."""
+
+    def uploaded(self, data: torch.Tensor) -> None:
+        """Called once the file is on the device (``data``) and its checksum's kernels are queued."""
+
+
 @dataclass(eq=False)
 class DeviceImage:
     """A copy of one mapped file on the device, found by the host addresses of the mapping."""
@@ -86,11 +87,13 @@ class DeviceImage:
     """The same bytes on the device."""
     device_only: list[tuple[int, int]] = field(default_factory=list)
     """Byte ranges ``[start, stop)`` of ``host`` not written yet (a file decoded on the device,
-    :func:`decode_planes`): :func:`ensure_host` copies them back from ``data`` before the host reads them."""
+    :mod:`checkpointd.restore.device_decode`): :func:`ensure_host` copies them back from ``data`` before the
+    host reads them."""
     unchecked: Callable[[], None] | None = None
-    """The device's check of a file it is still decoding (:func:`decode_planes`), not taken yet: :meth:`confirm`."""
-    prepared: Future[Prepared] | None = None
-    """The host's part of decoding a ``zstd-planes`` file, made beside its upload (:func:`verify`)."""
+    """The device's check of a file it is still decoding (:mod:`checkpointd.restore.device_decode`), not
+    taken yet: :meth:`confirm`."""
+    planes: Decoding | None = None
+    """The decoding on the device of a ``zstd-planes`` file, begun beside its upload (:func:`verify`)."""
 
     def confirm(self) -> None:
         """Wait for the device's decoding of this image and raise if it found the file damaged (once;
@@ -190,106 +193,46 @@ def drop_all() -> bool:
     return had
 
 
-def verify(buf: torch.Tensor, planes: bool = False) -> tuple[DeviceImage, int] | None:
+def verify(buf: torch.Tensor, planes: Decoding | None = None) -> tuple[DeviceImage, int] | None:
     """Upload the mapped file ``buf`` to the restore's device and checksum it there: ``(image, CRC-32)``.
 
     None where that does not apply (no restore verifying on a device, a file below ``MIN_BYTES``, no room)
     or anything failed (logged): the caller checksums on the host instead. The image is not usable
     until :func:`register`-ed, which the caller does only once the CRC matched the manifest.
 
-    ``planes``: ``buf`` is a ``zstd-planes`` file, to be decoded on the device (:func:`decode_planes`).
-    The host's part of that (:func:`checkpointd.codecs.planes_device.prepare`: its layout checks, its
-    small host-decoded chunks) runs on a thread of its own while the upload and the checksum run,
-    instead of after them on the restore's critical path (on an H200 host, 4.8 GB: 20-25 ms of a
-    170 ms restore). Its parser is the one a read of a single tensor runs on unverified bytes; what it
-    finds, and any error it raises, is used only once the file matched its checksum.
+    ``planes``: the file's decoding on the device, begun here (:class:`Decoding`): started once the image
+    is allocated, and told of the upload after the checksum's kernels are queued and before their result
+    is read back.
     """
-    data = _allocate(buf)
+    data = allocate(buf)
     if data is None:
         return None
     n = data.numel()
-    prepared = _beside(prepare, byte_view(buf), data.device, default_executor(), False) if planes else None
+    if planes is not None:
+        planes.start(data.device)
     try:
         if data.device.type == "cuda":
             upload_bytes(data, buf)
         else:  # a CPU "device" (tests)
             data.copy_(buf)
         tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device
-        crc = device_crc.crc32_of(data, host_tail=tail)  # the CUDA kernels (``_usable`` built them)
+        crc_of = device_crc.crc32_start(data, host_tail=tail)  # the CUDA kernels (``_usable`` built them)
+        if planes is not None:
+            planes.uploaded(data)
+        crc = crc_of()
     except Exception as exc:  # noqa: BLE001 - no pinned memory, a kernel failure: the host pass needs none of it
         logger.warning("restore: verifying a %d-byte file on %s failed (%r); checksumming it on the host", n, data.device, exc)
-        with _lock:
-            stats["failed"] += 1
+        count(failed=1)
         return None
+    count(verified=1, verified_bytes=n)
+    return DeviceImage(buf, data, planes=planes), crc
+
+
+def count(**deltas: int) -> None:
+    """Add to :data:`stats`."""
     with _lock:
-        stats["verified"] += 1
-        stats["verified_bytes"] += n
-    return DeviceImage(buf, data, prepared=prepared), crc
-
-
-def _beside(fn: Callable[..., Prepared], *args: Any) -> Future[Prepared]:
-    """``fn(*args)`` on a thread of its own; its result or error in the future returned."""
-    future: Future[Prepared] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the result
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="checkpointd-plan", daemon=True).start()
-    return future
-
-
-def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: int | None = None) -> DeviceImage | None:
-    """The native bytes of the verified ``zstd-planes`` file ``buf`` decoded on the restore's device
-    (:mod:`checkpointd.codecs.planes_device`), as an image whose host holds only what the host decoded.
-
-    ``native_size``: the native size the manifest gives (a file that says otherwise is damaged). ``buf``
-    matched its manifest checksum, which covers every byte the chunks' own CRCs cover, so those are
-    not computed again. ``stored``: ``buf`` already on the device (:func:`verify`'s image), else it is uploaded here. None
-    where that does not apply (see :func:`verify`) or the device failed (logged): the caller decodes on
-    the host. The result's host bytes are written and may be parsed while the device still decodes;
-    :func:`register` it (which waits for the device and takes its verdict), and read its other host bytes
-    only through :func:`ensure_host`.
-
-    Raises:
-        CorruptCheckpointError: a damaged file, as the host decoder would find it (what only the device
-            finds is raised by :func:`register` or by a copy back to the host).
-    """
-    native = read_index(ViewFile(byte_view(buf)), PLANES_FOOTER_MAGIC, "zstd-planes")[1][-1]
-    if native_size is not None and native != native_size:
-        raise CorruptCheckpointError(f"the 'zstd-planes' file holds {native} native bytes, its manifest says {native_size}")
-    data = stored.data if stored is not None else _allocate(buf)
-    native_data = _allocate(buf, native) if data is not None else None
-    if data is None or native_data is None:
-        return None
-    try:
-        if stored is None:
-            _copy_pairs_up([(data, buf)])
-        prepared = stored.prepared.result() if stored is not None and stored.prepared is not None else None
-        out = decode_on_device(byte_view(buf), data, default_executor(), upload=_copy_pairs_up, check_chunks=False,
-                               data=native_data, wait=False, prepared=prepared)
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA error: the host decoder needs none of it
-        logger.warning("restore: decoding a %d-byte file on %s failed (%r); decoding it on the host",
-                       buf.numel(), data.device, exc)
-        with _lock:
-            stats["failed"] += 1
-        return None
-    with _lock:
-        stats["decoded"] += 1
-    return DeviceImage(out.host, out.data, out.device_only, out.check)
-
-
-def _copy_pairs_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair (host to device), through the pinned bounce on CUDA."""
-    if pairs and pairs[0][0].device.type == "cuda":
-        bounced_h2d(pairs[0][0].device, pairs)
-    else:  # a CPU "device" (tests)
-        for dst, src in pairs:
-            dst.copy_(src)
+        for key, n in deltas.items():
+            stats[key] += n
 
 
 def ensure_host(obj: Any) -> None:
@@ -374,7 +317,7 @@ def _minus(span: tuple[int, int], cuts: list[tuple[int, int]]) -> list[tuple[int
     return parts
 
 
-def _allocate(buf: torch.Tensor, nbytes: int | None = None) -> torch.Tensor | None:
+def allocate(buf: torch.Tensor, nbytes: int | None = None) -> torch.Tensor | None:
     """The device buffer for an image of ``buf`` (``nbytes``, default its size) where one applies and fits
     (see the module docstring)."""
     with _lock:
@@ -446,5 +389,5 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     return found, rest
 
 
-__all__ = ["DeviceImage", "decode_planes", "drop_all", "ensure_host", "fill_host", "follows", "headroom_bytes", "mode", "register", "stats",
-           "take_from_images", "target_device", "verify", "verifying_on"]
+__all__ = ["Decoding", "DeviceImage", "allocate", "count", "drop_all", "ensure_host", "fill_host", "follows", "headroom_bytes", "mode",
+           "register", "stats", "take_from_images", "target_device", "verify", "verifying_on"]

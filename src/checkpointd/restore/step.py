@@ -29,7 +29,7 @@ from checkpointd.format.mdlus import load_mdlus_state_dict
 from checkpointd.format.sharding import materialize
 from checkpointd.format.subclasses import check_described, check_loaded, check_sharded_described
 from checkpointd.format.streams import ReadStream, byte_view
-from checkpointd.restore import device_image, fastload
+from checkpointd.restore import device_decode, device_image, fastload
 from checkpointd.restore.apply import apply_entries
 from checkpointd.restore.assemble import assemble_full_values, sharded_values
 from checkpointd.restore.per_entry import Selection, fit_values
@@ -137,7 +137,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
 
     def on_device(buf: Any) -> int | None:
         """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.restore.device_image`)."""
-        got = device_image.verify(buf, planes)
+        got = device_image.verify(buf, device_decode.PlanesDecoding(buf, entry.raw_size) if planes else None)
         if got is None:
             return None
         image.append(got[0])
@@ -159,7 +159,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
     else:
         stored = [buf]
         try:
-            decoded = device_image.decode_planes(buf, image[0] if image else None, entry.raw_size) if planes else None
+            decoded = device_decode.decode_planes(buf, image[0] if image else None, entry.raw_size) if planes else None
             buf = decoded.host if decoded is not None else fastload.decode_to_buffer(entry.codec, buf, entry.raw_size)
         except CorruptCheckpointError:
             raise
