@@ -87,7 +87,7 @@ def test_the_device_decodes_on_a_stream_of_its_own_before_the_checksum_is_read(s
     order = []
 
     def spied_decode(*args, **kwargs):
-        streams.append(torch.cuda.current_stream())
+        streams.append(kwargs.get("stream"))
         order.append("decode")
         return real_decode(*args, **kwargs)
 
@@ -102,7 +102,7 @@ def test_the_device_decodes_on_a_stream_of_its_own_before_the_checksum_is_read(s
         assert mgr.restore_latest() == 1
     got = {k: device_image.stats[k] - before[k] for k in before}
     assert got["decoded"] == len(streams) >= 1 and got["failed"] == 0
-    assert all(s != torch.cuda.default_stream() for s in streams)  # the checksum's readback does not wait for it
+    assert all(s is not None and s != torch.cuda.default_stream() for s in streams)  # the readback does not wait for it
     assert order.index("decode") < order.index("checksum")
     _assert_same(ref_model, ref_opt, model, opt)
 
@@ -149,6 +149,22 @@ def test_the_cuda_decoder_equals_the_host_decoder(dtype, queued, monkeypatch) ->
     assert out.data.device.type == "cuda"
     assert bytes(decode_bytes("zstd-planes", stored)) == native
     assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
+
+
+def test_a_decoding_on_a_stream_of_its_own_gives_its_buffers_back_to_the_current_stream() -> None:
+    """A restore decodes on a side stream; the large buffers must go back to the pool the training
+    allocates from (the current stream's), not sit cached for a stream nothing else allocates on."""
+    native, stored = planes_file(torch.float32, 8_000_003)  # 32 MB: 8 MB of exponent plane decoded on the device
+    on_gpu = torch.frombuffer(bytearray(stored), dtype=torch.uint8).cuda()
+    side = torch.cuda.Stream()
+    with ThreadPoolExecutor(4) as pool:
+        out = decode_on_device(memoryview(stored), on_gpu, pool, wait=False, stream=side)
+    out.check()
+    assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
+    del out
+    torch.cuda.synchronize()
+    on_side = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == side.cuda_stream)
+    assert on_side < 4 << 20, f"{on_side} bytes cached for the decode stream"
 
 
 @pytest.mark.parametrize("legacy", [False, True])

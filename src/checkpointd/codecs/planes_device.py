@@ -30,9 +30,10 @@ the host only on demand (:func:`checkpointd.restore.device_image.ensure_host`).
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -165,7 +166,7 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
 def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
                      upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
                      check_chunks: bool = True, data: torch.Tensor | None = None, wait: bool = True,
-                     prepared: Prepared | None = None) -> OnDevice:
+                     prepared: Prepared | None = None, stream: torch.cuda.Stream | None = None) -> OnDevice:
     """Decode the verified ``zstd-planes`` file ``stored`` (host bytes) whose copy ``stored_data`` is on the device.
 
     ``executor`` runs the host work (zstd frames, chunk CRCs) one chunk per task; ``upload(pairs)``
@@ -176,6 +177,8 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     ``wait=False`` returns once the device's work is queued, the host bytes written: the caller may parse
     them meanwhile, and calls :meth:`OnDevice.check` before anything reads the device bytes.
     ``prepared``: the host's part, made from ``stored`` beforehand (:func:`prepare`), else made here.
+    ``stream``: queue the device's work on this CUDA stream (after the current stream's queued work)
+    rather than on the current stream; :meth:`OnDevice.check` waits for it.
 
     Raises:
         CorruptCheckpointError: a damaged or malformed file (nothing of it is usable then).
@@ -190,36 +193,53 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     elif data.numel() != native_nbytes or data.device != device:
         raise ValueError(f"the output has {data.numel()} bytes on {data.device}, the file {native_nbytes} on {device}")
     scratch_data = torch.empty(p.decoded_nbytes, dtype=torch.uint8, device=device)
-    targets = ([scratch_data] if p.decoded_nbytes else []) + [data[c.native[0] : c.native[1]] for c in p.chunks
-                                                               if c.layout.kind != KIND_PLANES]
-    if p.staged is not None:
-        _queued_upload(targets, p.staged, device)
-    elif targets:
-        (upload or _copy_pairs)(list(zip(targets, p.sources)))
-    groups: dict[tuple, list[_Chunk]] = {}
-    for c in p.chunks:
-        if c.layout.kind == KIND_PLANES:
-            groups.setdefault(c.group(), []).append(c)
     bad = torch.zeros((), dtype=torch.bool, device=device)
     device_planes = torch.empty(p.on_device_nbytes, dtype=torch.uint8, device=device)
-    huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
-    sources = [stored_data, scratch_data, device_planes]
-    fused: list[merge_device.Chunk] = []
-    use_kernel = merge_device.available(device)
-    for group in groups.values():
-        if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
-            fused += [_fused(c) for c in group]
-        else:
-            _merge(group, sources, data, bad)
-        _tails(group, stored_data, data)
-    merge_device.merge(data, sources, fused)
-    out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
-    if device.type == "cuda":
-        out.done = torch.cuda.Event()
-        out.done.record(torch.cuda.current_stream(device))
+    with _queued_on(stream, device, [stored_data, data, scratch_data, bad, device_planes]):
+        targets = ([scratch_data] if p.decoded_nbytes else []) + [data[c.native[0] : c.native[1]] for c in p.chunks
+                                                                   if c.layout.kind != KIND_PLANES]
+        if p.staged is not None:
+            _queued_upload(targets, p.staged, device)
+        elif targets:
+            (upload or _copy_pairs)(list(zip(targets, p.sources)))
+        groups: dict[tuple, list[_Chunk]] = {}
+        for c in p.chunks:
+            if c.layout.kind == KIND_PLANES:
+                groups.setdefault(c.group(), []).append(c)
+        huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
+        sources = [stored_data, scratch_data, device_planes]
+        fused: list[merge_device.Chunk] = []
+        use_kernel = merge_device.available(device)
+        for group in groups.values():
+            if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
+                fused += [_fused(c) for c in group]
+            else:
+                _merge(group, sources, data, bad)
+            _tails(group, stored_data, data)
+        merge_device.merge(data, sources, fused)
+        out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
+        if device.type == "cuda":
+            out.done = torch.cuda.Event()
+            out.done.record(torch.cuda.current_stream(device))
     if wait:
         out.check()
     return out
+
+
+@contextlib.contextmanager
+def _queued_on(stream: torch.cuda.Stream | None, device: torch.device, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Within the block, work is queued on ``stream`` (None: the current stream), after the current
+    stream's queued work. ``buffers`` were allocated on the current stream, so that their memory goes
+    back to its pool, not to a pool the training never allocates from; they are kept from reuse until
+    ``stream``'s work is done with them (``record_stream``), also where the result is dropped unfinished."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for t in buffers:
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _queued_upload(targets: list[torch.Tensor], staged: torch.Tensor, device: torch.device) -> None:

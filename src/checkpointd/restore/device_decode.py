@@ -23,11 +23,10 @@ the restore's critical path.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -71,9 +70,9 @@ class PlanesDecoding:
             native_data = allocate(self.buf, self.native_size)
             if native_data is None:
                 return
-            with _decode_stream(data.device, [data, native_data]):
-                self.queued = decode_on_device(byte_view(self.buf), data, default_executor(), upload=_copy_pairs_up,
-                                               check_chunks=False, data=native_data, wait=False, prepared=p)
+            self.queued = decode_on_device(byte_view(self.buf), data, default_executor(), upload=_copy_pairs_up,
+                                           check_chunks=False, data=native_data, wait=False, prepared=p,
+                                           stream=_decode_stream(data.device))
         except Exception as exc:  # noqa: BLE001 - decoded again after the checksum, where an error counts
             logger.debug("restore: the device's decoding of a %d-byte file did not start early (%r)", self.buf.numel(), exc)
 
@@ -82,27 +81,14 @@ _decode_streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def _decode_stream(device: torch.device, used: list[torch.Tensor]) -> Iterator[None]:
-    """Within the block, work is queued on ``device``'s decode stream (a CUDA device; else nothing changes).
-
-    The stream first waits for the current stream's queued work (what last used the memory the images
-    were just given), and the memory of ``used`` (tensors of the current stream) is kept from reuse until
-    the stream's work is done (``record_stream``), also where the decoding is dropped unfinished (a file
-    that failed its checksum).
-    """
+def _decode_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """``device``'s decode stream (created once; None on a CPU "device")."""
     if device.type != "cuda":
-        yield
-        return
+        return None
     with _streams_lock:
-        stream = _decode_streams.get(device)
-        if stream is None:
-            stream = _decode_streams[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    for t in used:
-        t.record_stream(stream)
-    with torch.cuda.stream(stream):
-        yield
+        if device not in _decode_streams:
+            _decode_streams[device] = torch.cuda.Stream(device)
+        return _decode_streams[device]
 
 
 def _beside(fn: Callable[..., Prepared], *args: Any) -> Future[Prepared]:
