@@ -278,74 +278,39 @@ def _frame_magic_broken(data: bytes) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.parametrize("damage", ["layout", "Huffman block end"])
 @pytest.mark.parametrize("manifest", ["agrees", "disagrees"])
-def test_the_host_part_is_made_beside_the_upload_and_counts_only_after_the_checksum(tmp_path, on_cpu_device,
-                                                                                     bulk_on_cpu, monkeypatch,
-                                                                                     manifest) -> None:
+def test_both_parts_of_the_decoding_begin_before_the_checksum_and_count_only_after(tmp_path, on_cpu_device, bulk_on_cpu,
+                                                                                 monkeypatch, manifest, damage) -> None:
+    """The host's part beside the upload (a thread of its own), the device's part before the checksum
+    is compared; what either finds is reported only for a file that matched its checksum."""
     model, opt = _trained(6)
     objects = {"model": model, "optim": opt}
     expected = _saved(tmp_path, objects)
-    threads, given = [], []
-    real_prepare, real_decode = device_decode.prepare, device_decode.decode_on_device
+    threads, given, events = [], [], []
+    real_prepare, real_decode, real_check = device_decode.prepare, device_decode.decode_on_device, restore.check_file
 
     def spied_prepare(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real_prepare(*args, **kwargs)
 
-    def spied_decode(*args, **kwargs):
+    def spied_decode(stored, *args, **kwargs):
         given.append(kwargs.get("prepared"))
-        return real_decode(*args, **kwargs)
-
-    monkeypatch.setattr(device_decode, "prepare", spied_prepare)
-    monkeypatch.setattr(device_decode, "decode_on_device", spied_decode)
-    _scramble(objects)
-    _restore(tmp_path, objects)
-    _assert_equal(expected, objects)
-    assert threads and set(threads) == {"checkpointd-plan"}
-    assert len(given) == len(threads) and all(isinstance(p, planes_device.Prepared) for p in given)
-
-    step_dir = tmp_path / "step-000000001"
-    victim = _biggest(step_dir)
-    broken = _frame_magic_broken(victim.read_bytes())
-    if manifest == "agrees":
-        _forge(step_dir, victim, broken)
-        wanted = r"chunk \d+ \(file byte \d+\): bad chunk frame header"
-    else:
-        victim.write_bytes(broken)
-        wanted = "fails its checksum"  # what the host part found is not reported: the bytes were not the file's
-    _scramble(objects)
-    live = _snapshot(model)
-    threads.clear()
-    with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
-        with pytest.raises(CorruptCheckpointError, match=wanted):
-            mgr.restore(1)
-    assert threads, "the damaged file's host part was not made beside its upload"
-    assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))
-
-
-@pytest.mark.parametrize("manifest", ["agrees", "disagrees"])
-def test_the_device_decodes_before_the_checksum_is_compared_and_counts_only_after(tmp_path, on_cpu_device,
-                                                                                  bulk_on_cpu, monkeypatch,
-                                                                                  manifest) -> None:
-    model, opt = _trained(7)
-    objects = {"model": model, "optim": opt}
-    expected = _saved(tmp_path, objects)
-    events = []
-    real_check, real_decode = restore.check_file, device_decode.decode_on_device
+        events.append(("decode", stored.nbytes))
+        return real_decode(stored, *args, **kwargs)
 
     def spied_check(where, entry, *args):
         events.append(("checksum", entry.path))
         return real_check(where, entry, *args)
 
-    def spied_decode(stored, *args, **kwargs):
-        events.append(("decode", stored.nbytes))
-        return real_decode(stored, *args, **kwargs)
-
-    monkeypatch.setattr(restore, "check_file", spied_check)
+    monkeypatch.setattr(device_decode, "prepare", spied_prepare)
     monkeypatch.setattr(device_decode, "decode_on_device", spied_decode)
+    monkeypatch.setattr(restore, "check_file", spied_check)
     _scramble(objects)
     got = _restore(tmp_path, objects)
     _assert_equal(expected, objects)
+    assert threads and set(threads) == {"checkpointd-plan"}
+    assert len(given) == len(threads) and all(isinstance(p, planes_device.Prepared) for p in given)
     step_dir = tmp_path / "step-000000001"
     planes_files = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name.endswith(".zst")}
     assert len(planes_files) == 2 and got["decoded"] == 2
@@ -353,21 +318,27 @@ def test_the_device_decodes_before_the_checksum_is_compared_and_counts_only_afte
         assert events.count(("decode", size)) == 1
         assert events.index(("decode", size)) < events.index(("checksum", name))
 
-    # a file the device started decoding that then fails its checksum: the checksum's error, nothing applied
     victim = _biggest(step_dir)
-    data = bytearray(victim.read_bytes())
-    broken = _block_end_moved(bytes(data))
+    if damage == "layout":  # found by the host's part
+        broken = _frame_magic_broken(victim.read_bytes())
+        found = r"chunk \d+ \(file byte \d+\): bad chunk frame header"
+    else:  # found by the device's part
+        broken = _block_end_moved(victim.read_bytes())
+        found = "does not decode to its symbols"
     if manifest == "agrees":
         _forge(step_dir, victim, broken)
-        wanted = "does not decode to its symbols"  # the device's verdict, taken once the checksum matched
+        wanted = found
     else:
         victim.write_bytes(broken)
-        wanted = "fails its checksum"  # what the device found is not reported: the bytes were not the file's
-    events.clear()
+        wanted = "fails its checksum"  # what the decoding found is not reported: the bytes were not the file's
     _scramble(objects)
     live = _snapshot(model)
+    threads.clear()
+    events.clear()
     with CheckpointManager(str(tmp_path), objects, compression="zstd-planes") as mgr:
         with pytest.raises(CorruptCheckpointError, match=wanted):
             mgr.restore(1)
-    assert ("decode", len(broken)) in events
+    assert threads, "the damaged file's host part was not made beside its upload"
+    if damage != "layout":  # (a file whose layout does not parse is not given to the device)
+        assert ("decode", len(broken)) in events
     assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))
