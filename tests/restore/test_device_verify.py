@@ -9,6 +9,8 @@ addresses of the mapped file, the restore drops it, and room, the switch and fai
 
 from __future__ import annotations
 
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -352,3 +354,45 @@ def test_rows_of_many_buffers_combine_each_to_its_own_crc(monkeypatch) -> None:
         assert crc == zlib.crc32(d.tobytes()), (lanes, d.size)
     one = datas[5]
     assert device_crc.crc32_of(torch.from_numpy(one), use_kernel=True) == zlib.crc32(one.tobytes())  # _raw_cuda
+
+
+def test_upload_turns_go_in_order_whatever_order_the_threads_come_in() -> None:
+    turns, order = device_image.UploadTurns(), []
+
+    def upload(i: int) -> None:
+        turns.wait(i)
+        order.append(i)
+        turns.end(i)
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in (3, 1, 2)]  # turn 0 is not uploaded at all
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    assert order == []  # every upload waits for turn 0
+    turns.end(0)
+    for t in threads:
+        t.join(10)
+    assert order == [1, 2, 3]
+
+
+def test_the_largest_file_uploads_first_when_a_smaller_one_is_read_first(tmp_path, mapped, monkeypatch) -> None:
+    store, step_dir, manifest = _saved(tmp_path)
+    largest = max(manifest.files, key=lambda f: f.size)
+    assert sum(f.size == largest.size for f in manifest.files) == 1
+    uploaded, real_read, real_crc = [], fastload.read_file_verified, device_crc.crc32_start
+
+    def late_for_the_largest(path, size, *args, **kwargs):
+        if size == largest.size:
+            time.sleep(0.2)  # the others reach their uploads first
+        return real_read(path, size, *args, **kwargs)
+
+    def crc_after_upload(data, *args, **kwargs):
+        uploaded.append(data.numel())
+        return real_crc(data, *args, **kwargs)
+
+    monkeypatch.setattr(fastload, "read_file_verified", late_for_the_largest)
+    monkeypatch.setattr(device_crc, "crc32_start", crc_after_upload)
+    with device_image.verifying_on(CPU):
+        contents = restore.read_step(store, step_dir, manifest)
+    assert uploaded == sorted((f.size for f in manifest.files), reverse=True)
+    assert set(contents) == {f.path for f in manifest.files}

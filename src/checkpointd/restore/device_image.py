@@ -77,6 +77,28 @@ class Decoding(Protocol):
         """Called once the file is on the device (``data``) and its checksum's kernels are queued."""
 
 
+class UploadTurns:
+    """The uploads of a restore's files in the caller's order, one after the other: turn ``i`` begins once
+    every turn before it has ended, its file uploaded or not uploaded at all (:meth:`end` either way)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ended: set[int] = set()
+        self._next = 0
+        """Every turn below this one has ended."""
+
+    def wait(self, i: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._next >= i)
+
+    def end(self, i: int) -> None:
+        with self._cond:
+            self._ended.add(i)
+            while self._next in self._ended:
+                self._next += 1
+            self._cond.notify_all()
+
+
 @dataclass(eq=False)
 class DeviceImage:
     """A copy of one mapped file on the device, found by the host addresses of the mapping."""
@@ -193,7 +215,8 @@ def drop_all() -> bool:
     return had
 
 
-def verify(buf: torch.Tensor, planes: Decoding | None = None) -> tuple[DeviceImage, int] | None:
+def verify(buf: torch.Tensor, planes: Decoding | None = None,
+           turn: tuple[UploadTurns, int] | None = None) -> tuple[DeviceImage, int] | None:
     """Upload the mapped file ``buf`` to the restore's device and checksum it there: ``(image, CRC-32)``.
 
     None where that does not apply (no restore verifying on a device, a file below ``MIN_BYTES``, no room)
@@ -202,7 +225,7 @@ def verify(buf: torch.Tensor, planes: Decoding | None = None) -> tuple[DeviceIma
 
     ``planes``: the file's decoding on the device, begun here (:class:`Decoding`): started once the image
     is allocated, and told of the upload after the checksum's kernels are queued and before their result
-    is read back.
+    is read back. ``turn``: ``(turns, i)``, the upload waits for turn ``i`` and ends it.
     """
     data = allocate(buf)
     if data is None:
@@ -211,10 +234,16 @@ def verify(buf: torch.Tensor, planes: Decoding | None = None) -> tuple[DeviceIma
     if planes is not None:
         planes.start(data.device)
     try:
-        if data.device.type == "cuda":
-            upload_bytes(data, buf)
-        else:  # a CPU "device" (tests)
-            data.copy_(buf)
+        if turn is not None:
+            turn[0].wait(turn[1])
+        try:
+            if data.device.type == "cuda":
+                upload_bytes(data, buf)
+            else:  # a CPU "device" (tests)
+                data.copy_(buf)
+        finally:
+            if turn is not None:
+                turn[0].end(turn[1])
         tail = byte_view(buf)[device_crc.tail_start(n):]  # from the mapping: no copy back from the device
         crc_of = device_crc.crc32_start(data, host_tail=tail)  # the CUDA kernels (``_usable`` built them)
         if planes is not None:
@@ -389,5 +418,5 @@ def take_from_images(items: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     return found, rest
 
 
-__all__ = ["Decoding", "DeviceImage", "allocate", "count", "drop_all", "ensure_host", "fill_host", "follows", "headroom_bytes", "mode",
+__all__ = ["Decoding", "DeviceImage", "UploadTurns", "allocate", "count", "drop_all", "ensure_host", "fill_host", "follows", "headroom_bytes", "mode",
            "register", "stats", "take_from_images", "target_device", "verify", "verifying_on"]

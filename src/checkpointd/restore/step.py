@@ -94,24 +94,27 @@ def read_step(store: Store, step_dir: str, manifest: Manifest, rank: int | None 
     ``zstd-planes`` files may be decoded there; the host bytes of their float tensors are then written
     only when read through :func:`checkpointd.restore.device_image.ensure_host`.
 
-    The largest file is started first: uploads to the device take turns (:mod:`checkpointd.restore.bounce`),
-    and the file whose upload ends first is parsed while the others upload. Started first, the largest
-    (the most tensors to parse, as a rule the optimizer's) usually gets the first turn, and its parse is
-    then off the critical path; the turns are not enforced.
+    Uploads to the device take turns, largest file first (:class:`checkpointd.restore.device_image.UploadTurns`):
+    a file is parsed once its upload ended, while the next uploads, so the largest (the most tensors to
+    parse, as a rule the optimizer's) is parsed off the critical path.
     """
     files = sorted((f for f in manifest.files if rank is None or f.rank == rank), key=lambda f: -f.size)
+    turns = device_image.UploadTurns()
 
-    def one(entry: FileEntry) -> tuple[str, Any]:
-        where = store.display(layout.join(step_dir, entry.path))
-        if fast_read_applies(store, entry):
-            return entry.path, read_local_fast(store, step_dir, entry, decode_on_device)
-        data = read_verified(store, step_dir, entry)
-        return entry.path, load_native(decode(entry.codec, data, where), entry.format, where)
+    def one(i: int, entry: FileEntry) -> tuple[str, Any]:
+        try:
+            where = store.display(layout.join(step_dir, entry.path))
+            if fast_read_applies(store, entry):
+                return entry.path, read_local_fast(store, step_dir, entry, decode_on_device, (turns, i))
+            data = read_verified(store, step_dir, entry)
+            return entry.path, load_native(decode(entry.codec, data, where), entry.format, where)
+        finally:
+            turns.end(i)  # (if its file was not uploaded)
 
     if len(files) <= 1:
-        return dict(one(f) for f in files)
+        return dict(one(i, f) for i, f in enumerate(files))
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files))), thread_name_prefix="checkpointd-read") as pool:
-        return dict(pool.map(one, files))
+        return dict(pool.map(one, range(len(files)), files))  # started in order: no turn waits for a later one
 
 
 def fast_read_applies(store: Store, entry: FileEntry) -> bool:
@@ -123,13 +126,15 @@ def fast_read_applies(store: Store, entry: FileEntry) -> bool:
     )
 
 
-def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_device: bool = False) -> Any:
+def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_device: bool = False,
+                    turn: tuple[device_image.UploadTurns, int] | None = None) -> Any:
     """Decoded content of one local file: parallel verified read, decode, tensors built in place.
 
     Every byte is checked against the manifest before anything is parsed or applied. Within a restore
     into CUDA tensors a mapped file may be uploaded and checksummed on the GPU
     (:mod:`checkpointd.restore.device_image`), its image registered for the apply only once the checksum
-    matched; a ``zstd-planes`` file is then decoded there too where ``decode_on_device``.
+    matched; a ``zstd-planes`` file is then decoded there too where ``decode_on_device``. ``turn``: the
+    upload's turn among the restore's files (:func:`read_step`).
     """
     rel = layout.join(step_dir, entry.path)
     where = store.display(rel)
@@ -137,7 +142,7 @@ def read_local_fast(store: Store, step_dir: str, entry: FileEntry, decode_on_dev
 
     def on_device(buf: Any) -> int | None:
         """Upload and checksum on the GPU when this restore verifies there (:mod:`checkpointd.restore.device_image`)."""
-        got = device_image.verify(buf, device_decode.PlanesDecoding(buf, entry.raw_size) if planes else None)
+        got = device_image.verify(buf, device_decode.PlanesDecoding(buf, entry.raw_size) if planes else None, turn)
         if got is None:
             return None
         image.append(got[0])
