@@ -327,8 +327,9 @@ _streams: dict[tuple[int, str], Any] = {}
 
 
 def stream_for(device: torch.device, role: str = "codes") -> Any:
-    """The encoder's own streams on ``device``: ``codes`` for the coding, ``counts`` for the byte counts,
-    ``copies`` for the copies to the host; None on the CPU. They have the lowest priority there is, which
+    """The codecs' own streams on ``device``, by role: the encoder's ``codes`` for the coding, ``counts``
+    for the byte counts, ``copies`` for the copies to the host; a restore's ``decode``
+    (:mod:`checkpointd.restore.device_decode`); None on the CPU. They have the lowest priority there is, which
     is also the default stream's: training's kernels interleave with the encoder's short ones."""
     if device.type != "cuda":
         return None

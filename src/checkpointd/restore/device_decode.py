@@ -32,6 +32,7 @@ import torch
 
 from checkpointd.codecs.compress import default_executor
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
+from checkpointd.codecs.encode_kernels import stream_for
 from checkpointd.codecs.planes_device import OnDevice, Prepared, decode_on_device, prepare
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.streams import byte_view
@@ -72,23 +73,9 @@ class PlanesDecoding:
                 return
             self.queued = decode_on_device(byte_view(self.buf), data, default_executor(), upload=_copy_pairs_up,
                                            check_chunks=False, data=native_data, wait=False, prepared=p,
-                                           stream=_decode_stream(data.device))
+                                           stream=stream_for(data.device, "decode"))
         except Exception as exc:  # noqa: BLE001 - decoded again after the checksum, where an error counts
             logger.debug("restore: the device's decoding of a %d-byte file did not start early (%r)", self.buf.numel(), exc)
-
-
-_decode_streams: dict[torch.device, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
-
-
-def _decode_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """``device``'s decode stream (created once; None on a CPU "device")."""
-    if device.type != "cuda":
-        return None
-    with _streams_lock:
-        if device not in _decode_streams:
-            _decode_streams[device] = torch.cuda.Stream(device)
-        return _decode_streams[device]
 
 
 def _beside(fn: Callable[..., Prepared], *args: Any) -> Future[Prepared]:
