@@ -14,7 +14,8 @@ NATIVE = "src/checkpointd/native"
 setup(
     ext_modules=[
         Extension("checkpointd.native.planes_native", [f"{NATIVE}/planes_native.c"],
-                  extra_compile_args=["-O3", "-std=gnu99"], optional=True),
+                  extra_compile_args=["-O3", "-std=gnu99"], depends=[f"{NATIVE}/planes_simd.h"],
+                  optional=True),
         Extension("checkpointd.native.upload_native", [f"{NATIVE}/upload_native.c"],
                   extra_compile_args=["-O3", "-std=gnu11", "-pthread"], extra_link_args=["-pthread"], optional=True),
     ],

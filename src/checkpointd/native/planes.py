@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 4
+ABI = 5
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -33,6 +33,8 @@ def declare(lib: Any) -> None:
                                       ctypes.c_void_p, ctypes.c_void_p, i32, ctypes.c_void_p]
     lib.cpd_split_planes.restype = i64
     lib.cpd_split_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cpd_simd.restype = i32
+    lib.cpd_simd.argtypes = [i32]
     lib.cpd_histogram.restype = None
     lib.cpd_histogram.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p]
     lib.cpd_huffman_encode.restype = i64
