@@ -87,11 +87,15 @@ def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | N
     per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
     starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
     sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
+    lib = planes_native.library() if itemsize in (2, 4, 8) else None
+    if lib is not None:
+        entropies = planes_native.sample_entropy(lib, sample, itemsize)
+    else:
+        entropies = [_entropy_bits(np.bincount(plane, minlength=256)) for plane in to_planes(sample, itemsize)]
     worth, estimate = [], 0.0
-    for plane in to_planes(sample, itemsize):
-        bits = _entropy_bits(np.bincount(plane, minlength=256))
+    for bits in entropies:
         worth.append(bits < RANDOM_ENTROPY_BITS)
-        estimate += plane.size * (bits / 8 if worth[-1] else 1)
+        estimate += per_slice * _SAMPLE_SLICES * (bits / 8 if worth[-1] else 1)
     if len(compressor(level).compress(sample)) < 0.95 * estimate:
         return None
     return worth
@@ -109,12 +113,32 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
 
     The planes are split straight into the payload's buffer (from :data:`FRAME_BUFFERS`, reused once the
     frame is written), each coded plane is written over the place its raw bytes took, and the planes
-    after it move up: no fresh memory is touched per chunk."""
+    after it move up: no fresh memory is touched per chunk. With the native kernels that is one call
+    (``planes_encode.c``), which leaves the GIL to the pool's other threads for the whole chunk."""
     whole = view.nbytes // itemsize * itemsize
     count = whole // itemsize
     head = CHUNK_HEADER.size + PLANE.size * itemsize
     buf = FRAME_BUFFERS.take(head + view.nbytes)
-    planes = to_planes(view[:whole], itemsize, buf[head : head + whole].reshape(itemsize, count))
+    lib = planes_native.library() if itemsize in (2, 4, 8) else None
+    if lib is not None:
+        room = huffman.HEADER.size + huffman.LENGTHS_NBYTES + 4 * -(-count // huffman.BLOCK) + (count * huffman.MAX_BITS + 7) // 8 + 16
+        stored, modes, sizes = planes_native.encode_planes(lib, view, itemsize, count, worth, huffman.BLOCK,
+                                                           buf[head : head + whole], scratch("huffman", room))
+        table, at = [PLANE.pack(mode, size) for mode, size in zip(modes, sizes)], head + stored
+    else:
+        table, at = _encode_planes_numpy(view[:whole], itemsize, count, worth, buf, head)
+    end = at + view.nbytes - whole
+    buf[at:end] = np.frombuffer(view[whole:], dtype=np.uint8)
+    crc = crc32(buf[head:end])
+    buf[:head] = np.frombuffer(CHUNK_HEADER.pack(KIND_PLANES, itemsize, FLAG_ROTATED | FLAG_CRC_ALL, view.nbytes, crc)
+                               + b"".join(table), dtype=np.uint8)
+    return [memoryview(buf)[:end]]  # holds ``buf``, and so the buffer, until the frame is written
+
+
+def _encode_planes_numpy(view: memoryview, itemsize: int, count: int, worth: list[bool], buf: np.ndarray,
+                         head: int) -> tuple[list[bytes], int]:
+    """:func:`encode_planes`' planes by the NumPy kernels, into ``buf`` from ``head``: the plane table and the end."""
+    planes = to_planes(view, itemsize, buf[head : head + count * itemsize].reshape(itemsize, count))
     table, at = [], head
     for j, (plane, compress) in enumerate(zip(planes, worth)):
         stored = huffman.encode_into(plane, buf[at : at + count]) if compress and count else 0
@@ -125,12 +149,7 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
                 ctypes.memmove(buf.ctypes.data + at, buf.ctypes.data + raw_at, count)
         table.append(PLANE.pack(mode, stored))
         at += stored
-    end = at + view.nbytes - whole
-    buf[at:end] = np.frombuffer(view[whole:], dtype=np.uint8)
-    crc = crc32(buf[head:end])
-    buf[:head] = np.frombuffer(CHUNK_HEADER.pack(KIND_PLANES, itemsize, FLAG_ROTATED | FLAG_CRC_ALL, view.nbytes, crc)
-                               + b"".join(table), dtype=np.uint8)
-    return [memoryview(buf)[:end]]  # holds ``buf``, and so the buffer, until the frame is written
+    return table, at
 
 
 def encode_chunk(view: memoryview, itemsize: int, level: int) -> list[Any]:

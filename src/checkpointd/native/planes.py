@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 5
+ABI = 6
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -33,6 +33,11 @@ def declare(lib: Any) -> None:
                                       ctypes.c_void_p, ctypes.c_void_p, i32, ctypes.c_void_p]
     lib.cpd_split_planes.restype = i64
     lib.cpd_split_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cpd_encode_planes.restype = i64
+    lib.cpd_encode_planes.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p,
+                                      ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cpd_sample_entropy.restype = None
+    lib.cpd_sample_entropy.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
     lib.cpd_simd.restype = i32
     lib.cpd_simd.argtypes = [i32]
     lib.cpd_histogram.restype = None
@@ -92,6 +97,28 @@ def split_planes(lib: Any, view: Any, itemsize: int, count: int, planes: np.ndar
     rows = (ctypes.c_void_p * itemsize)(*[int(planes[j].ctypes.data) for j in range(itemsize)])
     if lib.cpd_split_planes(itemsize, count, address(view), rows) < 0:
         raise ValueError(f"cpd_split_planes refused itemsize {itemsize}")
+
+
+def encode_planes(lib: Any, view: Any, itemsize: int, count: int, worth: list[bool], block: int, out: np.ndarray,
+                  scratch: np.ndarray) -> tuple[int, list[int], list[int]]:
+    """The planes of ``count`` elements of ``view``, stored from ``out[0]`` (uint8, ``itemsize * count``
+    bytes): plane j Huffman-coded where ``worth[j]`` and smaller, else raw (``scratch``: uint8, room for
+    one coded plane). Returns the stored bytes, each plane's mode and stored size."""
+    flags = np.array(worth, dtype=np.uint8)
+    modes = np.zeros(itemsize, dtype=np.uint8)
+    stored = np.zeros(itemsize, dtype=np.int64)
+    total = lib.cpd_encode_planes(itemsize, count, address(view), flags.ctypes.data, block, out.ctypes.data,
+                                  scratch.ctypes.data, scratch.nbytes, modes.ctypes.data, stored.ctypes.data)
+    if total < 0:
+        raise ValueError(f"cpd_encode_planes refused itemsize {itemsize} or a scratch of {scratch.nbytes} bytes")
+    return int(total), modes.tolist(), stored.tolist()
+
+
+def sample_entropy(lib: Any, sample: Any, itemsize: int) -> list[float]:
+    """Entropy, in bits per byte, of each rotated byte plane of the elements in ``sample`` (itemsize 2, 4 or 8)."""
+    bits = np.zeros(itemsize, dtype=np.float64)
+    lib.cpd_sample_entropy(itemsize, memoryview(sample).nbytes // itemsize, address(sample), bits.ctypes.data)
+    return bits.tolist()
 
 
 def histogram(lib: Any, plane: np.ndarray) -> np.ndarray:

@@ -20,9 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "planes_native.h"
 #include "planes_simd.h"
 
-#define CPD_ABI 5
+#define CPD_ABI 6
 #define BLOCK 4096 /* elements per block: a block's unpacked planes stay in L1/L2 */
 #define SUB 256    /* escapes are looked for in sub-blocks that contain one (rare) */
 #define MAX_ITEMSIZE 8
@@ -165,7 +166,6 @@ int64_t cpd_split_planes(int32_t itemsize, int64_t count, const uint8_t *in, uin
  * where block k ends. Decoding goes through a table of 2^11 entries indexed by the next 11 bits:
  * entry = length << 8 | symbol, 0 for bit patterns that start no code. */
 
-#define HUFF_BITS 11
 
 /* counts[v] += number of bytes equal to v in p[0..n) (counts: 256 int64, zeroed by the caller). Eight
  * tables, one per byte of a 64-bit load, so that runs of one value (the exponent planes are mostly a
