@@ -247,3 +247,25 @@ def test_native_code_lengths_are_the_pythons_on_ties_and_skew(lib, monkeypatch) 
         assert np.array_equal(lengths, huffman.code_lengths(counts)), counts
     with pytest.raises(ValueError, match="256 counts"):
         planes_native.code_lengths(lib, np.ones(255, dtype=np.int64), 11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_native_sample_entropies_are_numpys(lib, dtype) -> None:
+    raw = _values(dtype, 16_384, 5, 300)[:-1]
+    itemsize = plane_itemsize(dtype)
+    native = planes_native.sample_entropy(lib, memoryview(raw), itemsize)
+    expected = [kernels._entropy_bits(np.bincount(p, minlength=256)) for p in plane_kernels.to_planes(memoryview(raw), itemsize)]
+    assert native == pytest.approx(expected, abs=1e-9)
+    assert min(native) < kernels.RANDOM_ENTROPY_BITS < max(native)  # both kinds of plane are in the sample
+
+
+def test_native_chunk_encoder_refuses_too_little_scratch_and_a_bad_element_size(lib) -> None:
+    raw = np.frombuffer(_values(torch.float32, 4096, 3, 0)[:-1], dtype=np.uint8)
+    out = np.empty(raw.size, dtype=np.uint8)
+    with pytest.raises(ValueError, match="scratch of 64 bytes"):
+        planes_native.encode_planes(lib, raw, 4, 4096, [False, False, False, True], 4096, out, np.empty(64, np.uint8))
+    with pytest.raises(ValueError, match="itemsize 3"):
+        planes_native.encode_planes(lib, raw, 3, 4096, [True] * 3, 4096, out, np.empty(1 << 16, np.uint8))
+    stored, modes, sizes = planes_native.encode_planes(lib, raw, 4, 4096, [False, False, False, True], 4096, out,
+                                                       np.empty(1 << 16, np.uint8))
+    assert modes == [kernels.MODE_RAW] * 3 + [kernels.MODE_HUFFMAN] and stored == sum(sizes) < raw.size

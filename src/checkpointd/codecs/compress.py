@@ -64,10 +64,9 @@ from checkpointd.format.streams import ReadStream
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Chunk size: large enough that per-chunk Python overhead is noise, small enough to stay in cache."""
 PLANES_CHUNK_BYTES = 16 << 20
-"""``zstd-planes`` chunks are bigger: each costs a few dozen NumPy calls that hold the GIL, and on a
-16-core H200 host 16 threads encode 256 MB of fp32 at 4.2-4.7 GB/s in 16 MiB chunks against 2.5 in
-4 MiB chunks (decoding: the same, 3.7-5.4 GB/s). A one-tensor partial read decodes at most one
-chunk more on each side."""
+"""``zstd-planes`` chunks are bigger: a chunk's steps in Python (choosing its planes, its CRC, its
+frame; on restore, checking its layout) are paid per chunk on both sides, and a chunk holds a
+Huffman code per coded plane. A one-tensor partial read decodes at most one chunk more on each side."""
 
 _MAX_CHUNK_BYTES = 1 << 30
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard exports only the maximum

@@ -1,8 +1,8 @@
 """Encode float records into ``zstd-planes`` chunk frames on the GPU, from bytes that are already there.
 
-Why: on the host, a planes chunk costs a core 8-16 ms per 16 MiB (split, histogram, Huffman coding),
-and the 16 threads of an H200 host encode about 10 GB/s while the copies into the file need the same
-cores: a 4.8 GB state takes about half a second longer to commit than an uncompressed one
+Why: on the host, a planes chunk costs a core about 6 ms per 16 MiB (split, histogram, Huffman coding),
+and the 16 threads of an H200 host encode 9-12 GB/s while the copies into the file need the same
+cores: a 4.8 GB state takes about 0.4 s longer to commit than an uncompressed one
 (``docs/performance.md``). With device staging the state already
 sits in a private GPU copy; coding it there takes milliseconds, and only the coded bytes cross to the
 host. The frames are the ones :func:`checkpointd.codecs.planes.encode_chunk` writes, byte for byte in
