@@ -34,7 +34,9 @@ import fsspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common as C  # noqa: E402
 from checkpointd import CheckpointManager  # noqa: E402
 from checkpointd.testing import start_s3_server  # noqa: E402
 
@@ -136,7 +138,9 @@ def main() -> None:
                                  f"{row['restore_s']:9.2f}")
                     print(lines[-1])
     if args.json:
-        args.json.write_text(json.dumps({"native_bytes": native, "rows": rows, "table": "\n".join(lines)}, indent=2))
+        info = C.env_info(C.Dev(cpu=True))
+        args.json.write_text(json.dumps({"info": info, "native_bytes": native, "rows": rows, "table": "\n".join(lines)},
+                                        indent=2))
 
 
 def measure(state: dict[str, torch.Tensor], root: str, options: dict, compression: str | None, saves: int) -> dict:

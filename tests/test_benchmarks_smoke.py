@@ -196,7 +196,9 @@ def test_bench_s3_smoke(tmp_path: Path) -> None:
     """Against a real SeaweedFS server: every codec stores fewer bytes than none, and auto picks planes."""
     out = tmp_path / "s3.json"
     _run("bench_s3.py", "--mb", "2", "--saves", "1", "--links", "0,20", "--json", str(out))
-    result = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    result = doc["rows"]
+    assert "bench_s3.py" in doc["info"]["command"] and doc["info"]["cpu_count"] >= 1  # what performance.md quotes
     for link in (0, 20):
         rows = {str(r["compression"]): r for r in result if r["link_mb_per_s"] == link}
         assert 0.95 < rows["None"]["ratio"] <= 1.0  # manifest and markers beside the native files
