@@ -15,7 +15,7 @@ setup(
     ext_modules=[
         Extension("checkpointd.native.planes_native", [f"{NATIVE}/planes_native.c", f"{NATIVE}/planes_encode.c"],
                   extra_compile_args=["-O3", "-std=gnu99"], libraries=["m"],
-                  depends=[f"{NATIVE}/planes_native.h", f"{NATIVE}/planes_simd.h"], optional=True),
+                  depends=[f"{NATIVE}/planes_native.h"], optional=True),
         Extension("checkpointd.native.upload_native", [f"{NATIVE}/upload_native.c"],
                   extra_compile_args=["-O3", "-std=gnu11", "-pthread"], extra_link_args=["-pthread"], optional=True),
     ],

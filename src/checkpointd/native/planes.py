@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpointd.native.loader import NativeLibrary
 
-ABI = 6
+ABI = 7
 """``cpd_abi()`` of the C source this module expects."""
 
 
@@ -38,8 +38,6 @@ def declare(lib: Any) -> None:
                                       ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p]
     lib.cpd_sample_entropy.restype = None
     lib.cpd_sample_entropy.argtypes = [i32, i64, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cpd_simd.restype = i32
-    lib.cpd_simd.argtypes = [i32]
     lib.cpd_histogram.restype = None
     lib.cpd_histogram.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p]
     lib.cpd_huffman_encode.restype = i64

@@ -13,31 +13,20 @@
  * values follow, in element order.
  *
  * Built by `pip install` as an optional extension of setup.py (-O3, no -march: a wheel may run on
- * other hosts; the AVX2 split and merge of planes_simd.h are chosen at run time) and loaded by
- * native/planes.py with ctypes. Plain C99, no Python headers.
+ * other hosts) and loaded by native/planes.py with ctypes. Plain C99, no Python headers.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "planes_native.h"
-#include "planes_simd.h"
 
-#define CPD_ABI 6
+#define CPD_ABI 7
 #define BLOCK 4096 /* elements per block: a block's unpacked planes stay in L1/L2 */
 #define SUB 256    /* escapes are looked for in sub-blocks that contain one (rare) */
 #define MAX_ITEMSIZE 8
 
 int cpd_abi(void) { return CPD_ABI; }
-
-static int simd_on = -1; /* -1: not decided yet */
-
-/* Whether the AVX2 split and merge (planes_simd.h) run: set < 0 asks; 0 turns them off, 1 on where the
- * CPU has AVX2 (tests run both paths). Returns the state. */
-int cpd_simd(int32_t set) {
-    if (set >= 0 || simd_on < 0) simd_on = set == 0 ? 0 : simd_supported();
-    return simd_on;
-}
 
 /* Whether any byte of p[0..n) equals v (a byte-wide OR reduction: vectorizes). */
 static int any_equal(const uint8_t *p, int64_t n, uint8_t v) {
@@ -98,14 +87,14 @@ int64_t cpd_decode_planes(int32_t itemsize, int64_t count, const uint8_t *const 
         uint8_t *o = out + start * itemsize;
         if (itemsize == 2) {
             const uint8_t *p0 = src[0], *p1 = src[1];
-            for (int64_t i = rotated && cpd_simd(-1) ? merge2_avx2(n, src, o) : 0; i < n; i++) {
+            for (int64_t i = 0; i < n; i++) {
                 uint16_t r = (uint16_t)(p0[i] | (p1[i] << 8));
                 if (rotated) r = (uint16_t)((r >> 1) | (r << 15));
                 memcpy(o + 2 * i, &r, 2);
             }
         } else if (itemsize == 4) {
             const uint8_t *p0 = src[0], *p1 = src[1], *p2 = src[2], *p3 = src[3];
-            for (int64_t i = rotated && cpd_simd(-1) ? merge4_avx2(n, src, o) : 0; i < n; i++) {
+            for (int64_t i = 0; i < n; i++) {
                 uint32_t r = (uint32_t)p0[i] | ((uint32_t)p1[i] << 8) | ((uint32_t)p2[i] << 16) | ((uint32_t)p3[i] << 24);
                 if (rotated) r = (r >> 1) | (r << 31);
                 memcpy(o + 4 * i, &r, 4);
@@ -128,7 +117,7 @@ int64_t cpd_decode_planes(int32_t itemsize, int64_t count, const uint8_t *const 
 int64_t cpd_split_planes(int32_t itemsize, int64_t count, const uint8_t *in, uint8_t *const *planes) {
     if (itemsize == 2) {
         uint8_t *p0 = planes[0], *p1 = planes[1];
-        for (int64_t i = cpd_simd(-1) ? split2_avx2(count, in, planes) : 0; i < count; i++) {
+        for (int64_t i = 0; i < count; i++) {
             uint16_t x;
             memcpy(&x, in + 2 * i, 2);
             x = (uint16_t)((x << 1) | (x >> 15));
@@ -137,7 +126,7 @@ int64_t cpd_split_planes(int32_t itemsize, int64_t count, const uint8_t *in, uin
         }
     } else if (itemsize == 4) {
         uint8_t *p0 = planes[0], *p1 = planes[1], *p2 = planes[2], *p3 = planes[3];
-        for (int64_t i = cpd_simd(-1) ? split4_avx2(count, in, planes) : 0; i < count; i++) {
+        for (int64_t i = 0; i < count; i++) {
             uint32_t x;
             memcpy(&x, in + 4 * i, 4);
             x = (x << 1) | (x >> 31);
