@@ -243,7 +243,8 @@ def test_native_sample_entropies_are_numpys(lib, dtype) -> None:
     raw = _values(dtype, 16_384, 5, 300)[:-1]
     itemsize = plane_itemsize(dtype)
     native = planes_native.sample_entropy(lib, memoryview(raw), itemsize)
-    expected = [kernels._entropy_bits(np.bincount(p, minlength=256)) for p in plane_kernels.to_planes(memoryview(raw), itemsize)]
+    planes = plane_kernels.to_planes(memoryview(raw), itemsize)
+    expected = [kernels._entropy_bits(np.bincount(p, minlength=256)) for p in planes]
     assert native == pytest.approx(expected, abs=1e-9)
     assert min(native) < kernels.RANDOM_ENTROPY_BITS < max(native)  # both kinds of plane are in the sample
 

@@ -121,7 +121,8 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
     buf = FRAME_BUFFERS.take(head + view.nbytes)
     lib = planes_native.library() if itemsize in (2, 4, 8) else None
     if lib is not None:
-        room = huffman.HEADER.size + huffman.LENGTHS_NBYTES + 4 * -(-count // huffman.BLOCK) + (count * huffman.MAX_BITS + 7) // 8 + 16
+        blocks = -(-count // huffman.BLOCK)
+        room = huffman.HEADER.size + huffman.LENGTHS_NBYTES + 4 * blocks + (count * huffman.MAX_BITS + 7) // 8 + 16
         stored, modes, sizes = planes_native.encode_planes(lib, view, itemsize, count, worth, huffman.BLOCK,
                                                            buf[head : head + whole], scratch("huffman", room))
         table, at = [PLANE.pack(mode, size) for mode, size in zip(modes, sizes)], head + stored
