@@ -47,6 +47,12 @@ LENGTHS_NBYTES = 128
 _MAX_BLOCK = 1 << 20
 
 
+def coded_bound(count: int) -> int:
+    """At most how many bytes a plane of ``count`` symbols takes coded (header, lengths, block ends and
+    stream, with the native coder's 16 bytes of slack): the scratch a coder writes it into."""
+    return HEADER.size + LENGTHS_NBYTES + 4 * -(-count // BLOCK) + (count * MAX_BITS + 7) // 8 + 16
+
+
 @dataclass(frozen=True)
 class StoredPlane:
     """The checked layout of a stored Huffman plane of ``count`` symbols (offsets within the stored bytes)."""
@@ -191,7 +197,7 @@ def _coded(plane: np.ndarray) -> tuple[bytes, np.ndarray]:
     blocks = -(-count // BLOCK)
     ends = np.empty(blocks, dtype=np.uint32)
     if lib is not None:
-        stream = scratch("huffman", (count * MAX_BITS + 7) // 8 + 16)
+        stream = scratch("huffman", coded_bound(count))
         stream = stream[: planes_native.huffman_encode(lib, plane, codes, lengths, BLOCK, ends, stream)]
     else:
         stream = encode_stream(plane, codes, lengths, ends)
@@ -341,5 +347,5 @@ def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: 
 
 
 __all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",
-           "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "encode_into", "encode_stream",
+           "coded_bound", "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "encode_into", "encode_stream",
            "read_plane"]

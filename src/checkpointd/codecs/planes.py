@@ -121,10 +121,9 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
     buf = FRAME_BUFFERS.take(head + view.nbytes)
     lib = planes_native.library() if itemsize in (2, 4, 8) else None
     if lib is not None:
-        blocks = -(-count // huffman.BLOCK)
-        room = huffman.HEADER.size + huffman.LENGTHS_NBYTES + 4 * blocks + (count * huffman.MAX_BITS + 7) // 8 + 16
         stored, modes, sizes = planes_native.encode_planes(lib, view, itemsize, count, worth, huffman.BLOCK,
-                                                           buf[head : head + whole], scratch("huffman", room))
+                                                           buf[head : head + whole],
+                                                           scratch("huffman", huffman.coded_bound(count)))
         table, at = [PLANE.pack(mode, size) for mode, size in zip(modes, sizes)], head + stored
     else:
         table, at = _encode_planes_numpy(view[:whole], itemsize, count, worth, buf, head)

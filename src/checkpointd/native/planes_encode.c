@@ -22,25 +22,18 @@
 #define LENGTHS_NBYTES 128
 
 /* Shannon entropy, in bits per byte, of each of the itemsize (2, 4 or 8) rotated byte planes of the
- * count elements at sample. */
+ * count elements at sample (split and counted a block at a time by the kernels of planes_native.c). */
 void cpd_sample_entropy(int32_t itemsize, int64_t count, const uint8_t *sample, double *bits) {
-    static __thread int64_t counts[8][256];
+    enum { STEP = 4096 };
+    static __thread uint8_t block[8][STEP];
+    uint8_t *planes[8];
+    int64_t counts[8][256];
     memset(counts, 0, sizeof counts);
-    for (int64_t i = 0; i < count; i++) {
-        uint64_t x;
-        if (itemsize == 2) {
-            uint16_t v;
-            memcpy(&v, sample + 2 * i, 2);
-            x = (uint16_t)((v << 1) | (v >> 15));
-        } else if (itemsize == 4) {
-            uint32_t v;
-            memcpy(&v, sample + 4 * i, 4);
-            x = (v << 1) | (v >> 31);
-        } else {
-            memcpy(&x, sample + 8 * i, 8);
-            x = (x << 1) | (x >> 63);
-        }
-        for (int32_t j = 0; j < itemsize; j++) counts[j][(x >> (8 * j)) & 255]++;
+    for (int32_t j = 0; j < 8; j++) planes[j] = block[j];
+    for (int64_t s = 0; s < count; s += STEP) {
+        int64_t n = count - s < STEP ? count - s : STEP;
+        if (cpd_split_planes(itemsize, n, sample + s * itemsize, planes) < 0) return;
+        for (int32_t j = 0; j < itemsize; j++) cpd_histogram(block[j], n, counts[j]);
     }
     for (int32_t j = 0; j < itemsize; j++) {
         double total = (double)count, h = 0.0;
@@ -94,7 +87,7 @@ static int64_t code_plane(const uint8_t *plane, int64_t n, int64_t block, uint8_
 /* The planes of count elements of in (itemsize bytes each) into out (count * itemsize bytes): plane j
  * is Huffman-coded where worth[j] and that is smaller than count bytes, else stored raw; the stored
  * planes follow each other from out[0]. modes[j] and stored[j] get each plane's mode and size. scratch
- * holds a coded plane: at least (count * 11 + 7) / 8 + 16 + 136 + 4 * ceil(count / block) bytes.
+ * holds a coded plane: at least huffman.coded_bound(count) bytes.
  * Returns the planes' bytes, or -1 (a bad itemsize, too little scratch). */
 int64_t cpd_encode_planes(int32_t itemsize, int64_t count, const uint8_t *in, const uint8_t *worth, int64_t block,
                           uint8_t *out, uint8_t *scratch, int64_t scratch_cap, uint8_t *modes, int64_t *stored) {
