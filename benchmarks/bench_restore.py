@@ -39,7 +39,10 @@ and the live tensors zeroed:
   compare the two in one run; checkpointd_cold_hostverify and checkpointd_cold_deviceverify: the same as
   fresh processes (``checkpointd_cold``);
 - checkpointd_cold_python: ``checkpointd_cold`` without the package's native code (CHECKPOINTD_NATIVE=0
-  in the fresh process: the pure Python / NumPy paths), what a host without a C compiler gets.
+  in the fresh process: the pure Python / NumPy paths), what a host without a C compiler gets;
+- checkpointd_cold_planes: ``checkpointd_cold`` of a ``compression="zstd-planes"`` checkpoint, decoded on the
+  GPU in a resumed job's only restore; its first repetition also compiles the GPU decoder's kernels,
+  on a machine whose kernel cache is empty (later ones load them from that cache).
 
 A timed restore that follows a manager's ``close()`` (each repetition of the ``checkpointd`` rows, the
 first of the phases) starts --settle-s (default 3 s on CUDA) after it: each restore_latest() prepares
@@ -78,7 +81,7 @@ import common as C  # noqa: E402
 ALL_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_zstd", "checkpointd_planes",
                "checkpointd_planes_hostverify", "checkpointd_cold", "checkpointd_phases",
                "checkpointd_deviceverify", "checkpointd_hostverify", "checkpointd_cold_deviceverify", "checkpointd_cold_hostverify",
-               "checkpointd_cold_python"]
+               "checkpointd_cold_python", "checkpointd_cold_planes"]
 SWITCH_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "device"},
                   "checkpointd_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
                   "checkpointd_planes_hostverify": {"CHECKPOINTD_RESTORE_VERIFY": "host"},
@@ -88,7 +91,7 @@ SWITCH_METHODS = {"checkpointd_deviceverify": {"CHECKPOINTD_RESTORE_VERIFY": "de
 """Extra checkpointd rows: the same restore with a library switch set (``checkpointd.options``);
 ``checkpointd`` itself runs with the defaults."""
 DEFAULT_METHODS = ["raw", "raw_cold", "torch_load", "checkpointd", "checkpointd_hostverify", "checkpointd_zstd",
-                   "checkpointd_planes", "checkpointd_planes_hostverify", "checkpointd_cold",
+                   "checkpointd_planes", "checkpointd_planes_hostverify", "checkpointd_cold", "checkpointd_cold_planes",
                    "checkpointd_cold_hostverify", "checkpointd_phases"]
 
 
@@ -316,16 +319,16 @@ def bench_ckd(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) ->
     return row
 
 
-def save_once(d: str, dev: C.Dev, model, opt, pristine) -> None:
-    """One uncompressed checkpoint of the saved values, step 1, into ``d`` (untimed)."""
+def save_once(d: str, dev: C.Dev, model, opt, pristine, compression: str | None = None) -> None:
+    """One checkpoint of the saved values (uncompressed unless ``compression``), step 1, into ``d`` (untimed)."""
     reset_live(model, opt, pristine, dev)
-    with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=None) as mgr:
+    with C.make_manager(d, {"model": model, "optim": opt}, keep_last=None, compression=compression) as mgr:
         mgr.maybe_save(1, force=True)
         mgr.wait()
 
 
 def bench_cold(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
-    """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` variants): each repetition's
+    """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` / ``_python`` / ``_planes`` variants): each repetition's
     restore_latest() in a fresh process (see the docstring)."""
     knobs = SWITCH_METHODS.get(m, {})
     row: dict[str, Any] = {"method": f"{m.replace('_cold', '')} restore_latest, fresh process", "kind": m,
@@ -333,7 +336,7 @@ def bench_cold(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -
                            "activated": []}
     d = os.path.join(root, "checkpointd_cold")
     try:
-        save_once(d, dev, model, opt, pristine)
+        save_once(d, dev, model, opt, pristine, "zstd-planes" if m == "checkpointd_cold_planes" else None)
         width, depth = args.built_shape  # the child builds the same model
         oks = []
         for _ in range(args.repeat):
