@@ -41,8 +41,8 @@ and the live tensors zeroed:
 - checkpointd_cold_python: ``checkpointd_cold`` without the package's native code (CHECKPOINTD_NATIVE=0
   in the fresh process: the pure Python / NumPy paths), what a host without a C compiler gets;
 - checkpointd_cold_planes: ``checkpointd_cold`` of a ``compression="zstd-planes"`` checkpoint, decoded on the
-  GPU in a resumed job's only restore; its first repetition also compiles the GPU decoder's kernels,
-  on a machine whose kernel cache is empty (later ones load them from that cache).
+  GPU in a resumed job's only restore (where the kernel cache is empty, the first repetition also
+  compiles the decoder's kernels; an earlier ``checkpointd_planes`` row of the run fills it).
 
 A timed restore that follows a manager's ``close()`` (each repetition of the ``checkpointd`` rows, the
 first of the phases) starts --settle-s (default 3 s on CUDA) after it: each restore_latest() prepares

@@ -44,8 +44,7 @@ RESTORE_ROWS = (
     ("checkpointd_zstd restore_latest", "a `compression=\"zstd\"` checkpoint"),
     ("checkpointd_planes restore_latest", "a `compression=\"zstd-planes\"` checkpoint, decoded on the GPU"),
     ("checkpointd_planes_hostverify restore_latest", "the same, checksummed and decoded on the host"),
-    ("checkpointd_planes restore_latest, fresh process", "a `\"zstd-planes\"` checkpoint as a resumed job's first restore "
-     "(the first repetition also compiles the GPU decoder's kernels)"),
+    ("checkpointd_planes restore_latest, fresh process", "a `\"zstd-planes\"` checkpoint as a resumed job's first restore"),
     ("torch_load + load_state_dict", "`torch.load` and `load_state_dict`"),
 )
 
