@@ -328,8 +328,8 @@ def save_once(d: str, dev: C.Dev, model, opt, pristine, compression: str | None 
 
 
 def bench_cold(root: str, m: str, args, dev: C.Dev, model, opt, pristine, ref) -> dict:
-    """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` / ``_python`` / ``_planes`` variants): each repetition's
-    restore_latest() in a fresh process (see the docstring)."""
+    """``checkpointd_cold`` (and its ``_deviceverify`` / ``_hostverify`` / ``_python`` / ``_planes`` variants):
+    each repetition's restore_latest() in a fresh process (see the docstring)."""
     knobs = SWITCH_METHODS.get(m, {})
     row: dict[str, Any] = {"method": f"{m.replace('_cold', '')} restore_latest, fresh process", "kind": m,
                            "times_s": [], "notes": [" ".join(f"{k}={v}" for k, v in knobs.items())] if knobs else [],

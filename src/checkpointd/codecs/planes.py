@@ -87,7 +87,7 @@ def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | N
     per_slice = _SAMPLE_ELEMENTS // _SAMPLE_SLICES
     starts = [(count - per_slice) * i // (_SAMPLE_SLICES - 1) * itemsize for i in range(_SAMPLE_SLICES)]
     sample = memoryview(b"".join(view[s : s + per_slice * itemsize] for s in starts))
-    lib = planes_native.library() if itemsize in (2, 4, 8) else None
+    lib = _native_for(itemsize)
     if lib is not None:
         entropies = planes_native.sample_entropy(lib, sample, itemsize)
     else:
@@ -99,6 +99,11 @@ def choose_planes(view: memoryview, itemsize: int, level: int) -> list[bool] | N
     if len(compressor(level).compress(sample)) < 0.95 * estimate:
         return None
     return worth
+
+
+def _native_for(itemsize: int) -> Any:
+    """The native kernels where they run for ``itemsize``-byte elements (2, 4 or 8), else None (NumPy)."""
+    return planes_native.library() if itemsize in (2, 4, 8) else None
 
 
 def _entropy_bits(counts: np.ndarray) -> float:
@@ -119,7 +124,7 @@ def encode_planes(view: memoryview, itemsize: int, worth: list[bool]) -> list[An
     count = whole // itemsize
     head = CHUNK_HEADER.size + PLANE.size * itemsize
     buf = FRAME_BUFFERS.take(head + view.nbytes)
-    lib = planes_native.library() if itemsize in (2, 4, 8) else None
+    lib = _native_for(itemsize)
     if lib is not None:
         stored, modes, sizes = planes_native.encode_planes(lib, view, itemsize, count, worth, huffman.BLOCK,
                                                            buf[head : head + whole],
