@@ -169,6 +169,30 @@ def test_block_ends_are_taken_from_the_device_copy_and_kept_within_their_plane(e
     assert torch.equal(_decode(stored).data[:10], _as_tensor(decode_bytes("zstd-planes", stored)[:10]))
 
 
+def test_the_rows_the_kernel_makes_are_each_planes_block_table() -> None:
+    """``huffman_device.block_rows`` (what the CUDA kernel computes for its block, on the host) gives every
+    plane's ``huffman.block_table`` rows, moved to its place in the decode buffer and its decode table."""
+    from checkpointd.codecs import huffman, huffman_device
+    from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
+    from checkpointd.codecs.planes_device import _plan
+
+    _, stored = planes_file(torch.bfloat16, 200_001)
+    frames, natives = read_index(ViewFile(memoryview(stored)), PLANES_FOOTER_MAGIC, "zstd-planes")
+    planes = [p for c in _plan(memoryview(stored), frames, natives, True)[0] for p in c.on_device.values()]
+    assert len(planes) >= 2
+    per_plane, _ = huffman_device.plane_tables(planes)
+    rows = huffman_device.block_rows(np.frombuffer(stored, dtype=np.uint8), per_plane)
+    expected = []
+    for p, (_, blocks, _, _, _, _, _, table, first) in zip(planes, per_plane.tolist()):
+        own, _ = huffman.block_table(p.plane, p.count)
+        assert first == sum(len(e) for e in expected) and blocks == len(own)
+        own[:, :2] += 8 * p.src
+        own[:, 2] += p.dst
+        own[:, 3] |= table << 32
+        expected.append(own)
+    assert np.array_equal(rows, np.concatenate(expected))
+
+
 def test_the_merge_kernel_is_given_only_ranges_inside_its_tensors() -> None:
     """``merge_device.merge`` checks every plane and output range on the host, before any launch."""
     from checkpointd.codecs import merge_device

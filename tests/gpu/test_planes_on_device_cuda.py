@@ -176,53 +176,68 @@ def test_the_cuda_decoder_equals_the_host_decoder_on_huffman_and_earlier_planes(
     assert torch.equal(out.data.cpu(), torch.frombuffer(bytearray(native), dtype=torch.uint8))
 
 
-def _kernel_decode(stored: bytes, rows, tables, size: int):
-    """The CUDA kernel on ``rows`` of a block table: ``(bad flag, output on the host)``."""
+def _both_decode(stored: bytes, plane, count: int, per_plane=None):
+    """``huffman_device.decode`` of one plane of ``stored`` on the GPU and on the CPU (the host decoder on
+    :func:`block_rows`): ``((bad, symbols) on the GPU, (bad, symbols) on the CPU)``."""
     import numpy as np
 
-    from checkpointd.codecs import huffman_device
+    from checkpointd.codecs import huffman, huffman_device
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    kernel = huffman_device.cuda_rtc.kernels(huffman_device.KERNEL_SOURCE, ["huffman_blocks"], device)
-    src = torch.frombuffer(bytearray(stored), dtype=torch.uint8).to(device)
-    dst = torch.zeros(size, dtype=torch.uint8, device=device)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    kernel["huffman_blocks"].launch(1, 32, [src, dst, torch.from_numpy(np.ascontiguousarray(rows)).to(device),
-                                            torch.from_numpy(tables.view(np.int16)).to(device),
-                                            huffman_device.ctypes.c_longlong(rows.shape[0]), flag])
-    return bool(flag.item()), dst.cpu().numpy()
+    at = huffman.PlaneAt(0, plane, 0, count)
+    tables = huffman_device.plane_tables([at])
+    if per_plane is not None:
+        tables = (per_plane, tables[1])
+    out = []
+    for device in (torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")):
+        src = torch.frombuffer(bytearray(stored), dtype=torch.uint8).to(device)
+        dst = torch.zeros(count, dtype=torch.uint8, device=device)
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        huffman_device.decode(src, dst, [at], bad, tables)
+        out.append((bool(bad.item()), dst.cpu().numpy()))
+    assert isinstance(out[0][1], np.ndarray)
+    return out
 
 
 def test_the_huffman_kernel_and_the_host_decoder_agree_on_every_block_good_or_forged() -> None:
-    """Block by block, the CUDA kernel and the C decoder give the same symbols and refuse the same
-    forged blocks (an end moved either way)."""
+    """The CUDA kernel (which reads each block's ends from the stored bytes itself) and the C decoder on
+    the host's rows give the same symbols, and refuse the same stored bytes with a block end moved
+    either way, past the stream or to zero."""
     import numpy as np
 
     from checkpointd.codecs import huffman, huffman_device
 
     assert huffman_device.available(torch.device("cuda"))
     rng = np.random.default_rng(0)
-    plane = (rng.geometric(0.35, 50_001).clip(1, 40) + 100).astype(np.uint8)
-    stored = b"".join(bytes(memoryview(p).cast("B")) for p in huffman.encode(plane))
-    layout = huffman.read_plane(stored, plane.size)
-    blocks, tables = huffman.block_table(layout, plane.size)
-    flag, whole = _kernel_decode(stored, blocks, tables, plane.size)
-    assert not flag and np.array_equal(whole, plane)
-    refused = 0
-    for k, delta in [(3, 1), (5, -1)]:
-        forged = blocks.copy()
-        forged[k, 1] += delta
-        forged[k + 1, 0] += delta
-        for row in (k, k + 1):
-            one = forged[row : row + 1]
-            host = np.zeros(plane.size, dtype=np.uint8)
-            host_bad = huffman.decode_blocks(stored, host, np.ascontiguousarray(one), tables) != 0
-            flag, got = _kernel_decode(stored, one, tables, plane.size)
-            assert flag == host_bad, f"block {row} with block {k}'s end moved by {delta}"
-            refused += flag
-        flag, _ = _kernel_decode(stored, forged, tables, plane.size)
-        assert flag, f"block {k}'s end moved by {delta} went through"
-    assert refused >= 2
+    symbols = (rng.geometric(0.35, 50_001).clip(1, 40) + 100).astype(np.uint8)
+    stored = b"".join(bytes(memoryview(p).cast("B")) for p in huffman.encode(symbols))
+    plane = huffman.read_plane(stored, symbols.size)
+    assert plane.ends.size > 8
+    (gpu_bad, gpu), (cpu_bad, cpu) = _both_decode(stored, plane, symbols.size)
+    assert not gpu_bad and not cpu_bad and np.array_equal(gpu, symbols) and np.array_equal(cpu, symbols)
+    ends_at = huffman.HEADER.size + huffman.LENGTHS_NBYTES
+    for k, end in [(3, int(plane.ends[3]) + 1), (5, int(plane.ends[5]) - 1), (0, 0xFFFFFFFF), (6, 0)]:
+        forged = bytearray(stored)
+        forged[ends_at + 4 * k : ends_at + 4 * k + 4] = end.to_bytes(4, "little")
+        (gpu_bad, _), (cpu_bad, _) = _both_decode(bytes(forged), plane, symbols.size)
+        assert gpu_bad and cpu_bad, f"block {k}'s end moved to {end} went through"
+
+
+def test_the_huffman_kernel_reads_no_block_end_outside_the_stored_bytes() -> None:
+    """A plane row whose block ends would lie past the stored bytes sets the damage flag."""
+    import numpy as np
+
+    from checkpointd.codecs import huffman, huffman_device
+
+    symbols = (np.random.default_rng(1).geometric(0.35, 10_000).clip(1, 40) + 100).astype(np.uint8)
+    stored = b"".join(bytes(memoryview(p).cast("B")) for p in huffman.encode(symbols))
+    at = huffman.PlaneAt(0, huffman.read_plane(stored, symbols.size), 0, symbols.size)
+    per_plane, table = huffman_device.plane_tables([at])
+    per_plane[0, 0] = len(stored) - 2  # where its block ends are: the last two bytes
+    device = torch.device("cuda", torch.cuda.current_device())
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    huffman_device.decode(torch.frombuffer(bytearray(stored), dtype=torch.uint8).to(device),
+                          torch.zeros(symbols.size, dtype=torch.uint8, device=device), [at], bad, (per_plane, table))
+    assert bool(bad.item())
 
 
 def test_the_merge_kernel_equals_the_host_merge_for_every_element_size_and_alignment() -> None:
@@ -259,6 +274,26 @@ def test_the_merge_kernel_equals_the_host_merge_for_every_element_size_and_align
         merge_device.merge(out, sources, [merge_device.Chunk(0, 10, [(0, sources[0].numel() - 9), (1, 0)], False)])
     with pytest.raises(ValueError, match="merge"):  # elements reaching past the output
         merge_device.merge(out, sources, [merge_device.Chunk(out.numel() - 19, 10, [(0, 0), (1, 0)], False)])
+
+
+def test_the_merge_kernel_copies_one_plane_chunks_byte_for_byte() -> None:
+    """A chunk of one plane is a copy (how a restore scatters the bytes it uploaded together), at any
+    offset, longer and shorter than a tile, in the same launch as merged chunks."""
+    from checkpointd.codecs import merge_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    source = torch.randint(0, 256, (3 * merge_device.TILE + 11,), dtype=torch.uint8, device=device)
+    planes = torch.randint(0, 256, (2, 1000), dtype=torch.uint8, device=device)
+    out = torch.zeros(4 * merge_device.TILE, dtype=torch.uint8, device=device)
+    merge_device.merge(out, [source, planes.reshape(-1)], [
+        merge_device.Chunk(1, 2 * merge_device.TILE + 5, [(0, 3)], False),
+        merge_device.Chunk(2 * merge_device.TILE + 9, 7, [(0, 0)], False),
+        merge_device.Chunk(3 * merge_device.TILE, 1000, [(1, 0), (1, 1000)], False)])
+    expected = torch.zeros_like(out)
+    expected[1 : 2 * merge_device.TILE + 6] = source[3 : 2 * merge_device.TILE + 8]
+    expected[2 * merge_device.TILE + 9 : 2 * merge_device.TILE + 16] = source[:7]
+    expected[3 * merge_device.TILE : 3 * merge_device.TILE + 2000] = planes.t().reshape(-1)
+    assert torch.equal(out, expected)
 
 
 def test_a_cuda_planes_restore_merges_with_the_kernel(monkeypatch) -> None:

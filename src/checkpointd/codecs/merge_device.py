@@ -59,7 +59,8 @@ extern "C" __global__ void merge_planes(const long long* __restrict__ rows, long
     long long end = i0 + tile < n ? i0 + tile : n;
     int size = (int)(r[3] & 255);
     bool rotated = (r[3] >> 8) != 0;
-    if (size == 2) merge_tile<unsigned short, 2>(r, i0, end, rotated);
+    if (size == 1) merge_tile<unsigned char, 1>(r, i0, end, false);
+    else if (size == 2) merge_tile<unsigned short, 2>(r, i0, end, rotated);
     else if (size == 4) merge_tile<unsigned int, 4>(r, i0, end, rotated);
     else if (size == 8) merge_tile<unsigned long long, 8>(r, i0, end, rotated);
 }
@@ -91,7 +92,8 @@ def available(device: torch.device) -> bool:
 def merge(out: torch.Tensor, sources: Sequence[torch.Tensor], chunks: list[Chunk]) -> None:
     """Write every chunk's elements into ``out``: byte ``j`` of element ``i`` is byte ``i`` of plane ``j``,
     rotated right by one bit where ``rotated``. ``out`` and ``sources`` are uint8 tensors on one CUDA
-    device; 2, 4 or 8 planes a chunk. Every range is checked against its tensor here.
+    device; 2, 4 or 8 planes a chunk, or 1: a copy (bytes a restore uploaded together, scattered to their
+    places in the same launch). Every range is checked against its tensor here.
 
     Raises:
         ValueError: a range outside its tensor, or another number of planes.
@@ -104,7 +106,7 @@ def merge(out: torch.Tensor, sources: Sequence[torch.Tensor], chunks: list[Chunk
     rows, tiles = [], 0
     for c in chunks:
         size = len(c.planes)
-        if size not in (2, 4, 8) or c.count < 0 or c.at < 0 or c.at + c.count * size > out.numel() or any(
+        if size not in (1, 2, 4, 8) or c.count < 0 or c.at < 0 or c.at + c.count * size > out.numel() or any(
                 not 0 <= k < len(sources) or off < 0 or off + c.count > sizes[k] for k, off in c.planes):
             raise ValueError(f"merge: {size} planes at {c.planes} of {c.count} bytes into byte {c.at} "
                              f"(output {out.numel()} bytes, sources {sizes})")

@@ -7,8 +7,15 @@ leave it. The host checks every chunk's layout and every Huffman plane's header,
 ends, decodes the chunks that are not planes (zip headers, pickles, integer tensors) and uploads those
 few bytes in one queued copy; on the device the Huffman blocks are decoded
 (:mod:`checkpointd.codecs.huffman_device`) and one kernel (:mod:`checkpointd.codecs.merge_device`) reads
-each chunk's planes and writes its elements, rotated back. Planes of earlier releases (nibble codes,
-zstd frames) are decoded on the host and merged with torch operations, group by group.
+each chunk's planes and writes its elements, rotated back, and puts the other uploaded chunks in their
+places in the same launch. Planes of earlier releases (nibble codes, zstd frames) are decoded on the
+host and merged with torch operations, group by group.
+
+The device's part is those two kernels and three copies up, and no torch operation: CUDA loads a
+torch operation's kernels on its first launch in a process, and a resumed job's restore is the first
+(H200, 4.83 GB: the block table made with a dozen torch operations put 0.26 s of loading into that
+restore, which took 0.47 s against 0.21 s uncompressed; ``checkpointd_cold_planes`` in
+``benchmarks/bench_restore.py``).
 
 Nothing here waits for the device until :meth:`OnDevice.check`: a restore parses the file's host bytes
 meanwhile. Both parts (:func:`prepare` on the host, :func:`decode_on_device`) read only the stored
@@ -56,7 +63,7 @@ from checkpointd.errors import CorruptCheckpointError
 from checkpointd.native import cuda_rtc
 
 QUEUED_UPLOAD_BYTES = 16 << 20
-"""Host-decoded bytes up to this size go up in one queued copy (:func:`_queued_upload`); more (a file of
+"""Host-decoded bytes up to this size go up in one queued copy (:func:`_host_bytes_up`); more (a file of
 earlier releases' nibble planes) go through the caller's ``upload``."""
 _WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LOW_BITS = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
@@ -143,6 +150,7 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
         CorruptCheckpointError: a damaged or malformed file.
     """
     frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
+    merge_device.available(device)  # its kernel loaded here too: a restore runs this during the file's upload
     chunks, decoded_nbytes, on_device_nbytes = _plan(stored, frames, natives, huffman_device.available(device))
     host = torch.empty(natives[-1], dtype=torch.uint8)
     scratch = torch.empty(decoded_nbytes, dtype=torch.uint8)
@@ -192,30 +200,24 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
         data = torch.empty(native_nbytes, dtype=torch.uint8, device=device)
     elif data.numel() != native_nbytes or data.device != device:
         raise ValueError(f"the output has {data.numel()} bytes on {data.device}, the file {native_nbytes} on {device}")
-    scratch_data = torch.empty(p.decoded_nbytes, dtype=torch.uint8, device=device)
-    bad = torch.zeros((), dtype=torch.bool, device=device)
+    bad = _zero_flag(device)
     device_planes = torch.empty(p.on_device_nbytes, dtype=torch.uint8, device=device)
-    with _queued_on(stream, device, [stored_data, data, scratch_data, bad, device_planes]):
-        targets = ([scratch_data] if p.decoded_nbytes else []) + [data[c.native[0] : c.native[1]] for c in p.chunks
-                                                                   if c.layout.kind != KIND_PLANES]
-        if p.staged is not None:
-            _queued_upload(targets, p.staged, device)
-        elif targets:
-            (upload or _copy_pairs)(list(zip(targets, p.sources)))
+    scratch = torch.empty(p.decoded_nbytes if p.staged is None else 0, dtype=torch.uint8, device=device)
+    with _queued_on(stream, device, [stored_data, data, bad, device_planes, scratch]):
+        use_kernel = merge_device.available(device)
+        scratch, landing, fused = _host_bytes_up(p, scratch, data, upload, use_kernel)
         groups: dict[tuple, list[_Chunk]] = {}
         for c in p.chunks:
             if c.layout.kind == KIND_PLANES:
                 groups.setdefault(c.group(), []).append(c)
         huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
-        sources = [stored_data, scratch_data, device_planes]
-        fused: list[merge_device.Chunk] = []
-        use_kernel = merge_device.available(device)
+        sources = [stored_data, scratch, device_planes, *([] if landing is None else [landing])]
         for group in groups.values():
             if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
-                fused += [_fused(c) for c in group]
+                fused += [_fused(c) for c in group] + _tails(group, stored_data, data, copy=False)
             else:
                 _merge(group, sources, data, bad)
-            _tails(group, stored_data, data)
+                _tails(group, stored_data, data)
         merge_device.merge(data, sources, fused)
         out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
         if device.type == "cuda":
@@ -242,13 +244,40 @@ def _queued_on(stream: torch.cuda.Stream | None, device: torch.device, buffers: 
         yield
 
 
-def _queued_upload(targets: list[torch.Tensor], staged: torch.Tensor, device: torch.device) -> None:
-    """Fill ``targets`` (uint8 on ``device``) from ``staged`` (their host bytes one after the other), queued
-    on the current stream: one copy up (:func:`checkpointd.native.cuda_rtc.table_to`), scattered there.
-    The host waits for no device work (an upload through the restore's bounce waits for everything
-    queued before it: the other files' decoding)."""
-    landing = cuda_rtc.table_to(device, staged)
-    torch._foreach_copy_(targets, list(landing.split([t.numel() for t in targets])))
+def _zero_flag(device: torch.device) -> torch.Tensor:
+    """The damage flag, False, on ``device`` (on a GPU copied up: no fill kernel to load in a fresh process)."""
+    return cuda_rtc.table_to(device, torch.zeros((), dtype=torch.bool)) if device.type == "cuda" else \
+        torch.zeros((), dtype=torch.bool)
+
+
+def _host_bytes_up(p: Prepared, scratch: torch.Tensor, data: torch.Tensor,
+                   upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None,
+                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[merge_device.Chunk]]:
+    """The host-decoded bytes on the device: ``(scratch, landing, copies)``: the host-decoded planes there,
+    the staged bytes' landing (None: not staged) and what is still to be copied from it into ``data``
+    (by the merge kernel, its source 3).
+
+    Staged (:attr:`Prepared.staged`), they go up in one copy queued on the current stream without the
+    host waiting for the device (:func:`checkpointd.native.cuda_rtc.table_to`; an upload through the
+    restore's bounce waits for everything queued before it: the other files' decoding): the
+    host-decoded planes stay where they landed, the other chunks are scattered to their places in
+    ``data`` in the merge kernel's launch (else by torch). Otherwise into ``scratch`` and ``data``
+    through ``upload`` (default: ``dst.copy_(src)`` for every pair)."""
+    targets = [data[c.native[0] : c.native[1]] for c in p.chunks if c.layout.kind != KIND_PLANES]
+    if p.staged is None:
+        pairs = list(zip(([scratch] if p.decoded_nbytes else []) + targets, p.sources))
+        if pairs:
+            (upload or _copy_pairs)(pairs)
+        return scratch, None, []
+    landing = cuda_rtc.table_to(data.device, p.staged)
+    if not use_kernel:
+        torch._foreach_copy_(targets, list(landing[p.decoded_nbytes :].split([t.numel() for t in targets])))
+        return landing[: p.decoded_nbytes], landing, []
+    copies, at = [], p.decoded_nbytes
+    for t, c in zip(targets, [c for c in p.chunks if c.layout.kind != KIND_PLANES]):
+        copies.append(merge_device.Chunk(c.native[0], t.numel(), [(3, at)], False))
+        at += t.numel()
+    return landing[: p.decoded_nbytes], landing, copies
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -364,13 +393,19 @@ def _fused(c: _Chunk) -> merge_device.Chunk:
     return merge_device.Chunk(c.native[0], lay.count, [_plane_at(c, j) for j in range(len(lay.planes))], lay.rotated)
 
 
-def _tails(group: list[_Chunk], stored: torch.Tensor, out: torch.Tensor) -> None:
-    """The bytes after a chunk's last whole element (stored as they are)."""
+def _tails(group: list[_Chunk], stored: torch.Tensor, out: torch.Tensor, copy: bool = True) -> list[merge_device.Chunk]:
+    """The bytes after a chunk's last whole element (stored as they are): copied, or (not ``copy``) the
+    merge kernel's copies of them (source 0: the stored file)."""
+    copies = []
     for c in group:
         t0, t1 = c.layout.tail
         if t1 > t0:
             a = c.native[0] + c.layout.count * c.layout.itemsize
-            out[a : c.native[1]].copy_(stored[c.frame + t0 : c.frame + t1])
+            if copy:
+                out[a : c.native[1]].copy_(stored[c.frame + t0 : c.frame + t1])
+            else:
+                copies.append(merge_device.Chunk(a, t1 - t0, [(0, c.frame + t0)], False))
+    return copies
 
 
 def _rows(source: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
