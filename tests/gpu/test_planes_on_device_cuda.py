@@ -136,12 +136,17 @@ def test_a_damaged_planes_file_is_refused_on_the_device_path_and_nothing_changes
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("queued", [True, False])
-def test_the_cuda_decoder_equals_the_host_decoder(dtype, queued, monkeypatch) -> None:
-    """The host-decoded bytes go up in one queued copy, or (more than ``QUEUED_UPLOAD_BYTES``) through ``upload``."""
-    from checkpointd.codecs import planes_device
+@pytest.mark.parametrize("merge_kernel", [True, False])
+def test_the_cuda_decoder_equals_the_host_decoder(dtype, queued, merge_kernel, monkeypatch) -> None:
+    """The host-decoded bytes go up in one queued copy, or (more than ``QUEUED_UPLOAD_BYTES``) through
+    ``upload``; the planes are merged and the uploaded chunks put in place by the merge kernel, or (where
+    it does not build) by torch operations."""
+    from checkpointd.codecs import merge_device, planes_device
 
     if not queued:
         monkeypatch.setattr(planes_device, "QUEUED_UPLOAD_BYTES", 0)
+    if not merge_kernel:
+        monkeypatch.setattr(merge_device, "available", lambda device: False)
     native, stored = planes_file(dtype, 3_000_001)
     on_gpu = torch.frombuffer(bytearray(stored), dtype=torch.uint8).cuda()
     with ThreadPoolExecutor(4) as pool:

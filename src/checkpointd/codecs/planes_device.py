@@ -11,7 +11,7 @@ each chunk's planes and writes its elements, rotated back, and puts the other up
 places in the same launch. Planes of earlier releases (nibble codes, zstd frames) are decoded on the
 host and merged with torch operations, group by group.
 
-The device's part is those two kernels and three copies up, and no torch operation: CUDA loads a
+The device's part is those two kernels and a few small copies up, and no torch operation: CUDA loads a
 torch operation's kernels on its first launch in a process, and a resumed job's restore is the first
 (H200, 4.83 GB: the block table made with a dozen torch operations put 0.26 s of loading into that
 restore, which took 0.47 s against 0.21 s uncompressed; ``checkpointd_cold_planes`` in
