@@ -376,23 +376,31 @@ def test_upload_turns_go_in_order_whatever_order_the_threads_come_in() -> None:
 
 
 def test_the_largest_file_uploads_first_when_a_smaller_one_is_read_first(tmp_path, mapped, monkeypatch) -> None:
+    """A file uploads between its turn's ``wait`` and ``end``, so the order in which the waits return is
+    the order of the uploads."""
     store, step_dir, manifest = _saved(tmp_path)
     largest = max(manifest.files, key=lambda f: f.size)
     assert sum(f.size == largest.size for f in manifest.files) == 1
-    uploaded, real_read, real_crc = [], fastload.read_file_verified, device_crc.crc32_start
+    turns, sizes = [], {}
+    real_read, real_verify, real_wait = fastload.read_file_verified, device_image.verify, device_image.UploadTurns.wait
 
     def late_for_the_largest(path, size, *args, **kwargs):
         if size == largest.size:
             time.sleep(0.2)  # the others reach their uploads first
         return real_read(path, size, *args, **kwargs)
 
-    def crc_after_upload(data, *args, **kwargs):
-        uploaded.append(data.numel())
-        return real_crc(data, *args, **kwargs)
+    def verify_noting_size(buf, planes=None, turn=None):
+        sizes[turn[1]] = buf.numel()
+        return real_verify(buf, planes, turn)
+
+    def wait_then_note(self, i):
+        real_wait(self, i)
+        turns.append(i)
 
     monkeypatch.setattr(fastload, "read_file_verified", late_for_the_largest)
-    monkeypatch.setattr(device_crc, "crc32_start", crc_after_upload)
+    monkeypatch.setattr(device_image, "verify", verify_noting_size)
+    monkeypatch.setattr(device_image.UploadTurns, "wait", wait_then_note)
     with device_image.verifying_on(CPU):
         contents = restore.read_step(store, step_dir, manifest)
-    assert uploaded == sorted((f.size for f in manifest.files), reverse=True)
+    assert [sizes[i] for i in turns] == sorted((f.size for f in manifest.files), reverse=True)
     assert set(contents) == {f.path for f in manifest.files}
