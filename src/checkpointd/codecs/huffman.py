@@ -268,15 +268,20 @@ class PlaneAt:
 
 def block_table(plane: StoredPlane, count: int) -> tuple[np.ndarray, np.ndarray]:
     """What the block decoders take for one stored plane of ``count`` symbols, decoded from its own bytes
-    into a buffer of its symbols: per block ``(first bit, end bit, output offset, table << 32 | symbols)``
-    (int64, ``(blocks, 4)``; table 0) and the decode table. (A restore makes the rows of all its planes
-    on the device: :mod:`checkpointd.codecs.huffman_device`.)"""
-    ends = plane.ends.astype(np.int64)
+    into a buffer of its symbols: its :func:`block_rows` (table 0) and the decode table. (A restore makes
+    the rows of all its planes on the device: :mod:`checkpointd.codecs.huffman_device`.)"""
+    return block_rows(plane.ends, 8 * plane.stream[0], 0, count, plane.block), decode_table(plane.lengths)
+
+
+def block_rows(ends: np.ndarray, first_bit: int, at: int, count: int, block: int, table: int = 0) -> np.ndarray:
+    """Per block of a plane of ``count`` symbols, ``(first bit, end bit, output offset, table << 32 | symbols)``
+    (int64, ``(blocks, 4)``): its block ``ends`` are in bits from ``first_bit`` (the stream's first bit in
+    the source), its symbols go to ``at`` in blocks of ``block``, decoded with decode table ``table``."""
+    ends = ends.astype(np.int64)
     k = np.arange(ends.size, dtype=np.int64)
-    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
-    rows = np.stack([8 * plane.stream[0] + starts, 8 * plane.stream[0] + ends, k * plane.block,
-                     np.minimum(plane.block, count - k * plane.block)], axis=1)
-    return np.ascontiguousarray(rows), decode_table(plane.lengths)
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])[: ends.size]
+    return np.ascontiguousarray(np.stack([first_bit + starts, first_bit + ends, at + k * block,
+                                          table << 32 | np.minimum(block, count - k * block)], axis=1))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -346,6 +351,6 @@ def _decode_numpy(src: np.ndarray, dst: np.ndarray, blocks: np.ndarray, tables: 
     return int(order[~good].min()) + 1 if not good.all() else 0
 
 
-__all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_table", "canonical_codes", "code_lengths",
+__all__ = ["BLOCK", "MAX_BITS", "PlaneAt", "StoredPlane", "block_rows", "block_table", "canonical_codes", "code_lengths",
            "coded_bound", "decode_blocks", "decode_into", "decode_table", "decode_tables", "encode", "encode_into", "encode_stream",
            "read_plane"]

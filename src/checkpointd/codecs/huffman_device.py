@@ -24,6 +24,7 @@ import ctypes
 import numpy as np
 import torch
 
+from checkpointd.codecs import huffman
 from checkpointd.codecs.huffman import HEADER, LENGTHS_NBYTES, PlaneAt, decode_blocks, decode_tables
 from checkpointd.native import cuda_rtc
 
@@ -169,16 +170,14 @@ def plane_tables(planes: list[PlaneAt]) -> PlaneTables:
 
 
 def block_rows(src: np.ndarray, per_plane: np.ndarray) -> np.ndarray:
-    """:func:`checkpointd.codecs.huffman.block_table`'s rows of every plane, from their block ends in ``src``,
-    as the kernel makes each for itself: each end clamped to its plane's stream (the host checked the same
-    bytes, but only these are used), so a block never reaches past it whatever the ends say; ends out
-    of order make blocks that cannot decode, which the decoders refuse."""
+    """:func:`checkpointd.codecs.huffman.block_rows` of every plane, from their block ends in ``src``, as the
+    kernel makes each for itself: each end clamped to its plane's stream (the host checked the same bytes,
+    but only these are used), so a block never reaches past it whatever the ends say; ends out of order
+    make blocks that cannot decode, which the decoders refuse."""
     out = [np.zeros((0, 4), dtype=np.int64)]
     for ends_at, blocks, base, bits, at, count, block, table, _ in per_plane.tolist():
         ends = np.minimum(src[ends_at : ends_at + 4 * blocks].view("<u4").astype(np.int64), bits)
-        k = np.arange(blocks, dtype=np.int64)
-        out.append(np.stack([base + np.concatenate([[0], ends[:-1]]), base + ends, at + k * block,
-                             table << 32 | np.minimum(block, count - k * block)], axis=1))
+        out.append(huffman.block_rows(ends, base, at, count, block, table))
     return np.ascontiguousarray(np.concatenate(out))
 
 
