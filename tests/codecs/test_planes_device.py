@@ -210,29 +210,45 @@ def test_the_merge_kernel_is_given_only_ranges_inside_its_tensors() -> None:
         merge_device.merge(out.view(torch.int32), sources, [])
 
 
+def _run_merge_table(table, sources: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """What the CUDA merge kernel does with ``table`` (``merge_device.Table``), on the host; returns how many
+    times each output byte was written."""
+    written = np.zeros(out.size, dtype=np.int64)
+    for row, where in zip(table.rows.tolist(), table.source_of.tolist()):
+        at, count, size, rotated = row[1], row[2], row[3] & 255, bool(row[3] >> 8)
+        planes = [sources[where[j]][row[4 + j] : row[4 + j] + count] for j in range(size)]
+        assert all(p.size == count for p in planes) and at + count * size <= out.size
+        if size == 1:
+            out[at : at + count] = planes[0]
+        else:
+            plane_kernels.from_planes(planes, out[at : at + count * size], rotated)
+        written[at : at + count * size] += 1
+    return written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_the_merge_kernels_rows_point_at_each_chunks_planes(dtype) -> None:
-    """What the CUDA merge kernel is given for a chunk (``_fused``: where each plane is among the stored
-    file, the host-decoded bytes and the device-decoded planes) merges, on the host, into the chunk's
-    native bytes."""
-    from checkpointd.codecs import huffman_device, planes_device
+def test_the_prepared_merge_table_writes_every_native_byte_once(dtype) -> None:
+    """The merge kernel's table a restore prepares during the upload (every staged chunk copied from the
+    landing, every planes chunk merged from the stored file, the host-decoded and the device-decoded
+    planes, every tail copied) gives, run on the host as the kernel runs it, the file's native bytes,
+    each written exactly once."""
+    from checkpointd.codecs import huffman_device, merge_device, planes_device
 
     native, stored = planes_file(dtype, 300_007)
-    view = memoryview(stored)
-    frames, natives = container.read_index(container.ViewFile(view), container.PLANES_FOOTER_MAGIC, "zstd-planes")
-    chunks, decoded_nbytes, on_device_nbytes = planes_device._plan(view, frames, natives, True)
-    device_planes = torch.zeros(on_device_nbytes, dtype=torch.uint8)
+    p = planes_device.prepare(memoryview(stored), torch.device("cpu"), POOL, True)
+    device_planes = torch.zeros(p.on_device_nbytes, dtype=torch.uint8)
     bad = torch.zeros((), dtype=torch.bool)
-    huffman_device.decode(_as_tensor(stored), device_planes, [p for c in chunks for p in c.on_device.values()], bad)
-    assert not bool(bad) and decoded_nbytes == 0  # every coded plane decoded on the "device"
-    sources = [np.frombuffer(stored, dtype=np.uint8), np.zeros(0, dtype=np.uint8), device_planes.numpy()]
-    merged = 0
-    for c in chunks:
-        if c.layout.kind != kernels.KIND_PLANES:
-            continue
-        row = planes_device._fused(c)
-        out = np.empty(row.count * len(row.planes), dtype=np.uint8)
-        plane_kernels.from_planes([sources[k][at : at + row.count] for k, at in row.planes], out, row.rotated)
-        assert out.tobytes() == native[row.at : row.at + out.size]
-        merged += 1
-    assert merged >= 2
+    huffman_device.decode(_as_tensor(stored), device_planes, p.huffman, bad, p.huffman_tables)
+    assert not bool(bad) and p.huffman  # the coded planes decoded on the "device"
+    landing = np.concatenate([t.numpy() for t in p.sources])  # what goes up staged, in one copy
+    sizes = [len(stored), p.decoded_nbytes, p.on_device_nbytes, landing.size]
+    table = merge_device.table(planes_device._staged_copies(p.chunks, p.decoded_nbytes)
+                               + planes_device._fused_chunks(p.chunks), len(native), sizes)
+    sources = [np.frombuffer(stored, dtype=np.uint8), landing[: p.decoded_nbytes], device_planes.numpy(), landing]
+    out = np.zeros(len(native), dtype=np.uint8)
+    written = _run_merge_table(table, sources, out)
+    assert out.tobytes() == native
+    assert (written == 1).all()
+    with pytest.raises(ValueError, match="merge: a table for an output"):  # tensors of other sizes are refused
+        merge_device.launch(table, torch.zeros(len(native) + 1, dtype=torch.uint8),
+                            [torch.zeros(n, dtype=torch.uint8) for n in sizes])

@@ -282,7 +282,7 @@ def _frame_magic_broken(data: bytes) -> bytes:
 @pytest.mark.parametrize("manifest", ["agrees", "disagrees"])
 def test_both_parts_of_the_decoding_begin_before_the_checksum_and_count_only_after(tmp_path, on_cpu_device, bulk_on_cpu,
                                                                                  monkeypatch, manifest, damage) -> None:
-    """The host's part beside the upload (a thread of its own), the device's part before the checksum
+    """The host's part beside the upload (every file's on the one planning thread), the device's part before the checksum
     is compared; what either finds is reported only for a file that matched its checksum."""
     model, opt = _trained(6)
     objects = {"model": model, "optim": opt}
@@ -309,7 +309,7 @@ def test_both_parts_of_the_decoding_begin_before_the_checksum_and_count_only_aft
     _scramble(objects)
     got = _restore(tmp_path, objects)
     _assert_equal(expected, objects)
-    assert threads and set(threads) == {"checkpointd-plan"}
+    assert len(threads) == 2 and set(threads) == {"checkpointd-plan_0"}
     assert len(given) == len(threads) and all(isinstance(p, planes_device.Prepared) for p in given)
     step_dir = tmp_path / "step-000000001"
     planes_files = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name.endswith(".zst")}

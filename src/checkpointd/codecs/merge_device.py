@@ -18,6 +18,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from checkpointd.native import cuda_rtc
@@ -89,36 +90,76 @@ def available(device: torch.device) -> bool:
                                       "plane merge kernel (planes merge with torch operations)")
 
 
-def merge(out: torch.Tensor, sources: Sequence[torch.Tensor], chunks: list[Chunk]) -> None:
-    """Write every chunk's elements into ``out``: byte ``j`` of element ``i`` is byte ``i`` of plane ``j``,
-    rotated right by one bit where ``rotated``. ``out`` and ``sources`` are uint8 tensors on one CUDA
-    device; 2, 4 or 8 planes a chunk, or 1: a copy (bytes a restore uploaded together, scattered to their
-    places in the same launch). Every range is checked against its tensor here.
+@dataclass(frozen=True)
+class Table:
+    """Chunks to merge, checked against the sizes of their output and sources (:func:`table`): the kernel's
+    rows with offsets where its addresses go, filled in by :func:`launch`."""
+
+    rows: np.ndarray
+    """Per chunk ROW int64: first tile, output offset, count, planes | rotated << 8, each plane's source offset."""
+    source_of: np.ndarray
+    """Per chunk and plane (8 columns), the source index; ``len(source_sizes)`` where unused (address 0)."""
+    tiles: int
+    out_size: int
+    source_sizes: tuple[int, ...]
+
+
+def table(chunks: list[Chunk], out_size: int, source_sizes: Sequence[int]) -> Table:
+    """The rows of ``chunks`` for an output of ``out_size`` bytes and sources of ``source_sizes`` bytes;
+    every range checked here. Made before the tensors exist (a restore makes it during the file's upload).
 
     Raises:
-        ValueError: a range outside its tensor, or another number of planes.
+        ValueError: a range outside its output or source, or another number of planes than 1, 2, 4 or 8.
+    """
+    sizes = tuple(source_sizes)
+    rows, source_of, tiles = [], [], 0
+    for c in chunks:
+        size = len(c.planes)
+        if size not in (1, 2, 4, 8) or c.count < 0 or c.at < 0 or c.at + c.count * size > out_size or any(
+                not 0 <= k < len(sizes) or off < 0 or off + c.count > sizes[k] for k, off in c.planes):
+            raise ValueError(f"merge: {size} planes at {c.planes} of {c.count} bytes into byte {c.at} "
+                             f"(output {out_size} bytes, sources {list(sizes)})")
+        if c.count:
+            rows.append([tiles, c.at, c.count, size | int(c.rotated) << 8, *[off for _, off in c.planes], *[0] * (8 - size)])
+            source_of.append([k for k, _ in c.planes] + [len(sizes)] * (8 - size))
+            tiles += -(-c.count // TILE)
+    return Table(np.array(rows, dtype=np.int64).reshape(-1, ROW), np.array(source_of, dtype=np.int64).reshape(-1, 8),
+                 tiles, out_size, sizes)
+
+
+def launch(t: Table, out: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
+    """Merge :func:`table`'s chunks into ``out`` from ``sources`` (uint8 tensors on one CUDA device, of the
+    sizes the table was made for), queued on the current stream.
+
+    Raises:
+        ValueError: tensors of other sizes, types or devices.
     """
     device = out.device
     if any(t.dtype != torch.uint8 or t.device != device or t.dim() != 1 or not t.is_contiguous() for t in [out, *sources]):
         raise ValueError("merge: the output and every source must be contiguous 1-D uint8 tensors on one device")
-    bases = [s.data_ptr() for s in sources]
-    sizes = [s.numel() for s in sources]
-    rows, tiles = [], 0
-    for c in chunks:
-        size = len(c.planes)
-        if size not in (1, 2, 4, 8) or c.count < 0 or c.at < 0 or c.at + c.count * size > out.numel() or any(
-                not 0 <= k < len(sources) or off < 0 or off + c.count > sizes[k] for k, off in c.planes):
-            raise ValueError(f"merge: {size} planes at {c.planes} of {c.count} bytes into byte {c.at} "
-                             f"(output {out.numel()} bytes, sources {sizes})")
-        if c.count:
-            rows.append([tiles, out.data_ptr() + c.at, c.count, size | int(c.rotated) << 8,
-                         *[bases[k] + off for k, off in c.planes], *[0] * (8 - size)])
-            tiles += -(-c.count // TILE)
-    if not rows:
+    if out.numel() != t.out_size or tuple(s.numel() for s in sources) != t.source_sizes:
+        raise ValueError(f"merge: a table for an output of {t.out_size} bytes and sources of {list(t.source_sizes)} "
+                         f"given {out.numel()} and {[s.numel() for s in sources]}")
+    if not t.tiles:
         return
-    table = cuda_rtc.table_to(device, torch.tensor(rows, dtype=torch.int64))
+    rows = t.rows.copy()
+    rows[:, 1] += out.data_ptr()
+    rows[:, 4:] += np.array([s.data_ptr() for s in sources] + [0], dtype=np.int64)[t.source_of]
     kernel = cuda_rtc.kernels(KERNEL_SOURCE, ["merge_planes"], device)["merge_planes"]
-    kernel.launch(tiles, THREADS, [table, ctypes.c_longlong(len(rows)), ctypes.c_longlong(TILE)])
+    kernel.launch(t.tiles, THREADS, [cuda_rtc.table_to(device, torch.from_numpy(rows)), ctypes.c_longlong(len(rows)),
+                                     ctypes.c_longlong(TILE)])
 
 
-__all__ = ["Chunk", "KERNEL_SOURCE", "available", "merge"]
+def merge(out: torch.Tensor, sources: Sequence[torch.Tensor], chunks: list[Chunk]) -> None:
+    """Write every chunk's elements into ``out``: byte ``j`` of element ``i`` is byte ``i`` of plane ``j``,
+    rotated right by one bit where ``rotated``. ``out`` and ``sources`` are uint8 tensors on one CUDA
+    device; 2, 4 or 8 planes a chunk, or 1: a copy (bytes a restore uploaded together, scattered to their
+    places in the same launch). Every range is checked against its tensor here (:func:`table`, :func:`launch`).
+
+    Raises:
+        ValueError: a range outside its tensor, or another number of planes.
+    """
+    launch(table(chunks, out.numel(), [s.numel() for s in sources]), out, sources)
+
+
+__all__ = ["Chunk", "KERNEL_SOURCE", "Table", "available", "launch", "merge", "table"]

@@ -136,6 +136,9 @@ class Prepared:
     huffman: list[huffman.PlaneAt]
     """The Huffman planes the device decodes, and the host's tables for that (:func:`huffman_device.plane_tables`)."""
     huffman_tables: huffman_device.PlaneTables | None
+    merge: merge_device.Table | None = None
+    """Where staged and the merge kernel runs: every copy and merge of the file's chunks but those with
+    nibble planes, checked and laid out beforehand (the device's part then only fills in addresses)."""
 
 
 def prepare(stored: memoryview, device: torch.device, executor: Executor, check_chunks: bool = True) -> Prepared:
@@ -164,11 +167,17 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
     sources = ([scratch] if decoded_nbytes else []) + [host[c.native[0] : c.native[1]] for c in chunks
                                                         if c.layout.kind != KIND_PLANES]
     staged = None
-    if device.type == "cuda" and sum(t.numel() for t in sources) <= QUEUED_UPLOAD_BYTES:
-        staged = torch.cat(sources) if sources else None
+    if device.type == "cuda" and sources and sum(t.numel() for t in sources) <= QUEUED_UPLOAD_BYTES:
+        # numpy, not torch.cat: torch's CPU kernel spreads it over its intra-op threads, which wait for cores
+        # behind the upload's copy threads (1.8 MB took 10-220 ms beside an upload on an H200 host)
+        staged = torch.from_numpy(np.concatenate([t.numpy() for t in sources]))
     on_device = [q for c in chunks for q in c.on_device.values()]
+    merge = None
+    if staged is not None and merge_device.available(device):
+        merge = merge_device.table(_staged_copies(chunks, decoded_nbytes) + _fused_chunks(chunks), natives[-1],
+                                   [stored.nbytes, decoded_nbytes, on_device_nbytes, staged.numel()])
     return Prepared(chunks, host, sources, staged, decoded_nbytes, on_device_nbytes, on_device,
-                    huffman_device.plane_tables(on_device) if on_device else None)
+                    huffman_device.plane_tables(on_device) if on_device else None, merge)
 
 
 def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Executor,
@@ -205,20 +214,19 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     scratch = torch.empty(p.decoded_nbytes if p.staged is None else 0, dtype=torch.uint8, device=device)
     with _queued_on(stream, device, [stored_data, data, bad, device_planes, scratch]):
         use_kernel = merge_device.available(device)
-        scratch, landing, fused = _host_bytes_up(p, scratch, data, upload, use_kernel)
-        groups: dict[tuple, list[_Chunk]] = {}
-        for c in p.chunks:
-            if c.layout.kind == KIND_PLANES:
-                groups.setdefault(c.group(), []).append(c)
+        scratch, landing = _host_bytes_up(p, scratch, data, upload, use_kernel)
         huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
         sources = [stored_data, scratch, device_planes, *([] if landing is None else [landing])]
-        for group in groups.values():
-            if use_kernel and all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes):
-                fused += [_fused(c) for c in group] + _tails(group, stored_data, data, copy=False)
-            else:
+        for group in _groups(p.chunks):
+            if not (use_kernel and _fusable(group)):
                 _merge(group, sources, data, bad)
-                _tails(group, stored_data, data)
-        merge_device.merge(data, sources, fused)
+                for a, b, at in _tail_spans(group):
+                    data[a:b].copy_(stored_data[at : at + b - a])
+        if use_kernel:
+            merge = p.merge if p.merge is not None else merge_device.table(
+                (_staged_copies(p.chunks, p.decoded_nbytes) if landing is not None else []) + _fused_chunks(p.chunks),
+                native_nbytes, [t.numel() for t in sources])
+            merge_device.launch(merge, data, sources)
         out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
         if device.type == "cuda":
             out.done = torch.cuda.Event()
@@ -252,10 +260,10 @@ def _zero_flag(device: torch.device) -> torch.Tensor:
 
 def _host_bytes_up(p: Prepared, scratch: torch.Tensor, data: torch.Tensor,
                    upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None,
-                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[merge_device.Chunk]]:
-    """The host-decoded bytes on the device: ``(scratch, landing, copies)``: the host-decoded planes there,
-    the staged bytes' landing (None: not staged) and what is still to be copied from it into ``data``
-    (by the merge kernel, its source 3).
+                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host-decoded bytes on the device: ``(scratch, landing)``: the host-decoded planes there, and
+    the staged bytes' landing (None: not staged), from which the merge kernel copies the other chunks
+    into ``data`` (its source 3, :func:`_staged_copies` in :attr:`Prepared.merge`).
 
     Staged (:attr:`Prepared.staged`), they go up in one copy queued on the current stream without the
     host waiting for the device (:func:`checkpointd.native.cuda_rtc.table_to`; an upload through the
@@ -268,16 +276,47 @@ def _host_bytes_up(p: Prepared, scratch: torch.Tensor, data: torch.Tensor,
         pairs = list(zip(([scratch] if p.decoded_nbytes else []) + targets, p.sources))
         if pairs:
             (upload or _copy_pairs)(pairs)
-        return scratch, None, []
+        return scratch, None
     landing = cuda_rtc.table_to(data.device, p.staged)
     if not use_kernel:
         torch._foreach_copy_(targets, list(landing[p.decoded_nbytes :].split([t.numel() for t in targets])))
-        return landing[: p.decoded_nbytes], landing, []
-    copies, at = [], p.decoded_nbytes
-    for t, c in zip(targets, [c for c in p.chunks if c.layout.kind != KIND_PLANES]):
-        copies.append(merge_device.Chunk(c.native[0], t.numel(), [(3, at)], False))
-        at += t.numel()
-    return landing[: p.decoded_nbytes], landing, copies
+    return landing[: p.decoded_nbytes], landing
+
+
+def _staged_copies(chunks: list[_Chunk], decoded_nbytes: int) -> list[merge_device.Chunk]:
+    """The merge kernel's copies of the staged chunks that are not planes, from the landing (source 3) to
+    their places (:attr:`Prepared.sources`' order)."""
+    copies, at = [], decoded_nbytes
+    for c in chunks:
+        if c.layout.kind != KIND_PLANES:
+            copies.append(merge_device.Chunk(c.native[0], c.native[1] - c.native[0], [(3, at)], False))
+            at += c.native[1] - c.native[0]
+    return copies
+
+
+def _groups(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """The planes chunks by :meth:`_Chunk.group`."""
+    groups: dict[tuple, list[_Chunk]] = {}
+    for c in chunks:
+        if c.layout.kind == KIND_PLANES:
+            groups.setdefault(c.group(), []).append(c)
+    return list(groups.values())
+
+
+def _fusable(group: list[_Chunk]) -> bool:
+    """Whether the merge kernel merges the group (it has no nibble planes)."""
+    return all(mode != MODE_NIBBLES for mode, _, _ in group[0].layout.planes)
+
+
+def _fused_chunks(chunks: list[_Chunk]) -> list[merge_device.Chunk]:
+    """What the merge kernel does for the planes chunks without nibble planes: each merged, and the bytes
+    after its last whole element copied from the stored file (source 0)."""
+    out = []
+    for group in _groups(chunks):
+        if _fusable(group):
+            out += [_fused(c) for c in group]
+            out += [merge_device.Chunk(a, b - a, [(0, at)], False) for a, b, at in _tail_spans(group)]
+    return out
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -393,19 +432,15 @@ def _fused(c: _Chunk) -> merge_device.Chunk:
     return merge_device.Chunk(c.native[0], lay.count, [_plane_at(c, j) for j in range(len(lay.planes))], lay.rotated)
 
 
-def _tails(group: list[_Chunk], stored: torch.Tensor, out: torch.Tensor, copy: bool = True) -> list[merge_device.Chunk]:
-    """The bytes after a chunk's last whole element (stored as they are): copied, or (not ``copy``) the
-    merge kernel's copies of them (source 0: the stored file)."""
-    copies = []
+def _tail_spans(group: list[_Chunk]) -> list[tuple[int, int, int]]:
+    """The bytes after each chunk's last whole element, stored as they are: ``(native start, native stop,
+    stored start)``."""
+    spans = []
     for c in group:
         t0, t1 = c.layout.tail
         if t1 > t0:
-            a = c.native[0] + c.layout.count * c.layout.itemsize
-            if copy:
-                out[a : c.native[1]].copy_(stored[c.frame + t0 : c.frame + t1])
-            else:
-                copies.append(merge_device.Chunk(a, t1 - t0, [(0, c.frame + t0)], False))
-    return copies
+            spans.append((c.native[0] + c.layout.count * c.layout.itemsize, c.native[1], c.frame + t0))
+    return spans
 
 
 def _rows(source: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
