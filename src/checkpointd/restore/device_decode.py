@@ -11,8 +11,8 @@ what they find, errors included, counts only once the file matched it (:func:`de
 
 - the host's part (:func:`checkpointd.codecs.planes_device.prepare`: every chunk's layout checked, the
   small chunks decoded on the host, the merge kernel's table laid out) runs beside the uploads on one
-  planning thread, file after file in the order they were started (:meth:`PlanesDecoding.start`: the
-  largest, uploaded first, is planned first). With a thread per file the two plannings competed for the
+  planning thread, file after file in the order they were started (:meth:`PlanesDecoding.start`; as a
+  rule the largest first: its read starts first, and it is uploaded first). With a thread per file the two plannings competed for the
   GIL and often ended after the first upload (H200 host, 4.83 GB, 8 restores: the larger file's 46-609 ms
   against 21-49 on one thread; restores 216 ms median against 182);
 - the device's part is queued on a stream of its own once the upload has finished, after the checksum's
@@ -56,7 +56,7 @@ class PlanesDecoding:
         self.queued: OnDevice | None = None
 
     def start(self, device: torch.device) -> None:
-        """The host's part, on a thread of its own, while the file is uploaded to ``device``."""
+        """The host's part, queued for the planning thread, while the file is uploaded to ``device``."""
         self.prepared = _planner().submit(prepare, byte_view(self.buf), device, default_executor(), False)
 
     def uploaded(self, data: torch.Tensor) -> None:
