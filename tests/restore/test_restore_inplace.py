@@ -252,6 +252,18 @@ def test_intra_op_threads_are_raised_for_the_block_and_put_back() -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("cpus, ranks, threads", [(16, 1, 12), (2, 1, 2), (128, 8, 12), (64, 1, 16), (None, 1, 2)])
+def test_copy_threads_leave_a_quarter_of_the_processs_cores(monkeypatch, cpus, ranks, threads) -> None:
+    """The bounce's copy threads default to three quarters of this process's share of the cores (the rest
+    plan and parse beside the uploads), at least 2 and at most 16; a set number wins."""
+    monkeypatch.setattr(bounce.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(bounce, "local_ranks", lambda: ranks)
+    monkeypatch.setattr(bounce, "COPY_THREADS", None)
+    assert bounce.copy_threads() == threads
+    monkeypatch.setattr(bounce, "COPY_THREADS", 5)
+    assert bounce.copy_threads() == 5
+
+
 def test_bulkcopy_helpers() -> None:
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     assert bulkcopy.is_dense(x) and bulkcopy.is_dense(torch.randn(3)) and not bulkcopy.is_dense(torch.randn(4, 4)[:, :2])
