@@ -8,8 +8,11 @@ values. The CUDA run: ``tests/gpu/test_planes_on_device_cuda.py``.
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 import threading
+import time
 import zlib
 
 import pytest
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from checkpointd import CheckpointManager
-from checkpointd.codecs import huffman, planes_device
+from checkpointd.codecs import compress, huffman, planes_device
 from checkpointd.codecs.container import PLANES_FOOTER_MAGIC, ViewFile, read_index
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.restore import apply, bulkcopy, device_decode, device_image, fastload
@@ -342,3 +345,30 @@ def test_both_parts_of_the_decoding_begin_before_the_checksum_and_count_only_aft
     if damage != "layout":  # (a file whose layout does not parse is not given to the device)
         assert ("decode", len(broken)) in events
     assert all(torch.equal(a, b) for a, b in zip(live.values(), _snapshot(model).values()))
+
+
+def test_a_forked_child_starts_the_pools_again() -> None:
+    """The shared zstd pool and the planning thread start again in a forked child: the parent's threads
+    are not there, and a task given to the parent's pool would never run."""
+    assert compress.default_executor().submit(int, 1).result() == 1
+    assert device_decode._planner().submit(int, 2).result() == 2
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            ok = compress.default_executor().submit(int, 3).result(timeout=10) == 3 and \
+                device_decode._planner().submit(int, 4).result(timeout=10) == 4
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 3)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's tasks never ran")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert device_decode._planner().submit(int, 5).result(timeout=10) == 5  # the parent's are untouched

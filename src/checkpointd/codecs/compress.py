@@ -99,12 +99,22 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def default_executor() -> ThreadPoolExecutor:
-    """The module's shared compression pool, created on first use (``min(32, cpu_count)`` threads)."""
+    """The module's shared compression pool, created on first use (``min(32, cpu_count)`` threads; in a
+    forked child, again: the parent's threads are not there)."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1), thread_name_prefix="checkpointd-zstd")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 # -- codecs -----------------------------------------------------------------------------------------

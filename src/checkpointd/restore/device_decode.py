@@ -27,6 +27,7 @@ the restore's critical path.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -85,11 +86,21 @@ _planning_lock = threading.Lock()
 
 
 def _planner() -> ThreadPoolExecutor:
-    """The planning thread (:meth:`PlanesDecoding.start`), started on first use."""
+    """The planning thread (:meth:`PlanesDecoding.start`), started on first use (in a forked child, again)."""
     with _planning_lock:
         if not _planning:
             _planning.append(ThreadPoolExecutor(1, thread_name_prefix="checkpointd-plan"))
         return _planning[0]
+
+
+def _forget_planner_in_child() -> None:
+    global _planning_lock
+    _planning.clear()
+    _planning_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_planner_in_child)
 
 
 def decode_planes(buf: torch.Tensor, stored: DeviceImage | None, native_size: int | None = None) -> DeviceImage | None:
