@@ -137,8 +137,9 @@ class Prepared:
     """The Huffman planes the device decodes, and the host's tables for that (:func:`huffman_device.plane_tables`)."""
     huffman_tables: huffman_device.PlaneTables | None
     merge: merge_device.Table | None = None
-    """Where staged and the merge kernel runs: every copy and merge of the file's chunks but those with
-    nibble planes, checked and laid out beforehand (the device's part then only fills in addresses)."""
+    """Where the merge kernel runs (else None: torch operations merge): every merge and tail copy of the
+    chunks without nibble planes and, staged, every copy of the other chunks from the landing, checked and
+    laid out beforehand (the device's part then only fills in addresses)."""
 
 
 def prepare(stored: memoryview, device: torch.device, executor: Executor, check_chunks: bool = True) -> Prepared:
@@ -153,7 +154,6 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
         CorruptCheckpointError: a damaged or malformed file.
     """
     frames, natives = read_index(ViewFile(stored), PLANES_FOOTER_MAGIC, "zstd-planes")
-    merge_device.available(device)  # its kernel loaded here too: a restore runs this during the file's upload
     chunks, decoded_nbytes, on_device_nbytes = _plan(stored, frames, natives, huffman_device.available(device))
     host = torch.empty(natives[-1], dtype=torch.uint8)
     scratch = torch.empty(decoded_nbytes, dtype=torch.uint8)
@@ -173,9 +173,10 @@ def prepare(stored: memoryview, device: torch.device, executor: Executor, check_
         staged = torch.from_numpy(np.concatenate([t.numpy() for t in sources]))
     on_device = [q for c in chunks for q in c.on_device.values()]
     merge = None
-    if staged is not None and merge_device.available(device):
-        merge = merge_device.table(_staged_copies(chunks, decoded_nbytes) + _fused_chunks(chunks), natives[-1],
-                                   [stored.nbytes, decoded_nbytes, on_device_nbytes, staged.numel()])
+    if merge_device.available(device):  # (its kernel loaded here: a restore runs this during the file's upload)
+        copies = [] if staged is None else _staged_copies(chunks, decoded_nbytes)
+        merge = merge_device.table(copies + _fused_chunks(chunks), natives[-1], [stored.nbytes, decoded_nbytes, on_device_nbytes]
+                                   + ([] if staged is None else [staged.numel()]))
     return Prepared(chunks, host, sources, staged, decoded_nbytes, on_device_nbytes, on_device,
                     huffman_device.plane_tables(on_device) if on_device else None, merge)
 
@@ -213,20 +214,16 @@ def decode_on_device(stored: memoryview, stored_data: torch.Tensor, executor: Ex
     device_planes = torch.empty(p.on_device_nbytes, dtype=torch.uint8, device=device)
     scratch = torch.empty(p.decoded_nbytes if p.staged is None else 0, dtype=torch.uint8, device=device)
     with _queued_on(stream, device, [stored_data, data, bad, device_planes, scratch]):
-        use_kernel = merge_device.available(device)
-        scratch, landing = _host_bytes_up(p, scratch, data, upload, use_kernel)
+        scratch, landing = _host_bytes_up(p, scratch, data, upload)
         huffman_device.decode(stored_data, device_planes, p.huffman, bad, p.huffman_tables)
         sources = [stored_data, scratch, device_planes, *([] if landing is None else [landing])]
         for group in _groups(p.chunks):
-            if not (use_kernel and _fusable(group)):
+            if p.merge is None or not _fusable(group):
                 _merge(group, sources, data, bad)
                 for a, b, at in _tail_spans(group):
                     data[a:b].copy_(stored_data[at : at + b - a])
-        if use_kernel:
-            merge = p.merge if p.merge is not None else merge_device.table(
-                (_staged_copies(p.chunks, p.decoded_nbytes) if landing is not None else []) + _fused_chunks(p.chunks),
-                native_nbytes, [t.numel() for t in sources])
-            merge_device.launch(merge, data, sources)
+        if p.merge is not None:
+            merge_device.launch(p.merge, data, sources)
         out = OnDevice(p.host, data, _joined([c.native for c in p.chunks if c.layout.kind == KIND_PLANES]), bad)
         if device.type == "cuda":
             out.done = torch.cuda.Event()
@@ -259,8 +256,8 @@ def _zero_flag(device: torch.device) -> torch.Tensor:
 
 
 def _host_bytes_up(p: Prepared, scratch: torch.Tensor, data: torch.Tensor,
-                   upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None,
-                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   upload: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The host-decoded bytes on the device: ``(scratch, landing)``: the host-decoded planes there, and
     the staged bytes' landing (None: not staged), from which the merge kernel copies the other chunks
     into ``data`` (its source 3, :func:`_staged_copies` in :attr:`Prepared.merge`).
@@ -278,7 +275,7 @@ def _host_bytes_up(p: Prepared, scratch: torch.Tensor, data: torch.Tensor,
             (upload or _copy_pairs)(pairs)
         return scratch, None
     landing = cuda_rtc.table_to(data.device, p.staged)
-    if not use_kernel:
+    if p.merge is None:
         torch._foreach_copy_(targets, list(landing[p.decoded_nbytes :].split([t.numel() for t in targets])))
     return landing[: p.decoded_nbytes], landing
 

@@ -81,22 +81,22 @@ class PlanesDecoding:
             logger.debug("restore: the device's decoding of a %d-byte file did not start early (%r)", self.buf.numel(), exc)
 
 
-_planning: list[ThreadPoolExecutor] = []
+_planning: ThreadPoolExecutor | None = None
 _planning_lock = threading.Lock()
 
 
 def _planner() -> ThreadPoolExecutor:
     """The planning thread (:meth:`PlanesDecoding.start`), started on first use (in a forked child, again)."""
+    global _planning
     with _planning_lock:
-        if not _planning:
-            _planning.append(ThreadPoolExecutor(1, thread_name_prefix="checkpointd-plan"))
-        return _planning[0]
+        if _planning is None:
+            _planning = ThreadPoolExecutor(1, thread_name_prefix="checkpointd-plan")
+        return _planning
 
 
 def _forget_planner_in_child() -> None:
-    global _planning_lock
-    _planning.clear()
-    _planning_lock = threading.Lock()
+    global _planning, _planning_lock
+    _planning, _planning_lock = None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
